@@ -1,0 +1,286 @@
+"""Store configuration: one frozen dataclass, read from ``TIERSTORE_*`` variables in one place.
+
+Example:
+    >>> cfg = StoreConfig.from_env(host_bytes="64MiB")
+    >>> cfg.host_bytes
+    67108864
+
+Keyword overrides win over the environment; both go through the same parser, so a bad value
+raises the same :class:`~tierstore.errors.ConfigError` naming where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from tierstore.errors import ConfigError
+
+__all__ = ["ENV_PREFIX", "StoreConfig", "parse_size"]
+
+ENV_PREFIX = "TIERSTORE_"
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+# Sizes beyond a signed 64-bit byte count cannot be a real capacity; treat them as typos.
+_MAX_SIZE = (1 << 63) - 1
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([+-]?)\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+
+DirectIO = Literal["auto", "on", "off"]
+DiskFormat = Literal["raw", "zarr"]
+Checksum = Literal["crc32c", "none"]
+
+
+def parse_size(value: str | int, *, name: str) -> int:
+    """Parse a byte size such as ``4096``, ``"64MiB"``, ``"1.5 GB"`` or ``"unlimited"``.
+
+    Units are KB/MB/GB/TB (powers of 10) and KiB/MiB/GiB/TiB (powers of 2), case-insensitive.
+    ``"unlimited"`` (or ``"inf"``) means the largest representable size.
+
+    Args:
+        value: the text or integer to parse.
+        name: the variable or keyword it came from, quoted in errors.
+
+    Raises:
+        ConfigError: negative, fractional bytes, unknown unit, or more than 2**63-1 bytes.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{name}={value!r}: expected a byte size such as 4096 or '64MiB'")
+    if isinstance(value, int):
+        number: float | int = value
+        text = str(value)
+    else:
+        text = value
+        if text.strip().lower() in {"unlimited", "inf", "infinity"}:
+            return _MAX_SIZE
+        m = _SIZE_RE.match(text)
+        if m is None:
+            raise ConfigError(
+                f"{name}={text!r}: not a byte size; use an integer number of bytes or a number "
+                "with a unit KB/MB/GB/TB (powers of 10) or KiB/MiB/GiB/TiB (powers of 2)"
+            )
+        sign, digits, unit = m.groups()
+        if sign == "-":
+            raise ConfigError(f"{name}={text!r}: a size cannot be negative")
+        factor = _UNITS.get(unit.lower())
+        if factor is None:
+            raise ConfigError(
+                f"{name}={text!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB "
+                "or TiB"
+            )
+        number = int(digits) * factor if digits.isdigit() else float(digits) * factor
+    if isinstance(number, float) and (not math.isfinite(number) or number != int(number)):
+        raise ConfigError(f"{name}={text!r}: a size must be a whole number of bytes")
+    size = int(number)
+    if size < 0:
+        raise ConfigError(f"{name}={text!r}: a size cannot be negative")
+    if size > _MAX_SIZE:
+        raise ConfigError(f"{name}={text!r}: larger than 2**63-1 bytes; check the unit")
+    return size
+
+
+def _parse_int(value: str | int, *, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r}: expected an integer from {low} to {high}")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r}: expected an integer from {low} to {high}") from None
+    if not low <= number <= high:
+        raise ConfigError(f"{name}={value!r}: must be from {low} to {high}")
+    return number
+
+
+def _parse_choice(value: str, *, name: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in choices:
+        raise ConfigError(f"{name}={value!r}: must be one of {', '.join(choices)}")
+    return value.strip().lower()
+
+
+def _parse_dirs(value: str | os.PathLike[str] | tuple[str | os.PathLike[str], ...] | list[str],
+                *, name: str) -> tuple[Path, ...]:
+    if isinstance(value, (str, os.PathLike)):
+        parts: list[str | os.PathLike[str]] = [p for p in os.fspath(value).split(os.pathsep) if p]
+    elif isinstance(value, (tuple, list)):
+        parts = list(value)
+    else:
+        raise ConfigError(f"{name}={value!r}: expected a directory or a list of directories")
+    if not parts:
+        raise ConfigError(f"{name}={value!r}: names no directory")
+    dirs = tuple(Path(os.path.expanduser(os.fspath(p))).absolute() for p in parts)
+    if len(set(dirs)) != len(dirs):
+        raise ConfigError(f"{name}={value!r}: lists the same directory twice")
+    return dirs
+
+
+def _physical_memory_bytes() -> int:
+    """Physical memory, or the cgroup limit when the process is confined to less."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def _default_disk_dir() -> tuple[Path, ...]:
+    # /var/tmp survives on disk where /tmp is often a tmpfs, and spilling to a tmpfs would
+    # put the "disk" tier back into RAM.
+    var_tmp = Path("/var/tmp")
+    if var_tmp.is_dir() and os.access(var_tmp, os.W_OK | os.X_OK):
+        return (var_tmp,)
+    return (Path(tempfile.gettempdir()),)
+
+
+def _default_host_bytes() -> int:
+    # A quarter of RAM leaves room for the model, the data loader and the page cache; on a GPU
+    # machine it is also the size of the pinned pool, which the OS cannot swap or reclaim.
+    return _physical_memory_bytes() // 4
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Every knob of a store. Build it with :meth:`from_env`; see ``docs/configuration.md``."""
+
+    device_bytes: int = 0
+    """Bytes of stored tensors allowed to stay on their accelerator; the newest stay."""
+    host_bytes: int = dataclasses.field(default_factory=_default_host_bytes)
+    """Host tier capacity (on a GPU machine, the pinned pool)."""
+    disk_bytes: int | None = None
+    """Disk tier capacity; ``None`` means the free space under the spill directories."""
+    disk_dirs: tuple[Path, ...] = dataclasses.field(default_factory=_default_disk_dir)
+    """Parent directories of the private per-process spill directories; several are striped."""
+    min_bytes: int = MiB
+    """Tensors smaller than this stay where they are."""
+    prefetch_bytes: int = 256 * MiB
+    """How many bytes ahead of backward the store brings tensors back."""
+    max_inflight_bytes: int = 256 * MiB
+    """Bytes being moved down at once before :meth:`put` waits (the save semaphore)."""
+    io_threads: int = 4
+    """Threads issuing disk I/O."""
+    io_chunk_bytes: int = 8 * MiB
+    """Size of one disk request; a multiple of 4096."""
+    direct_io: DirectIO = "auto"
+    """O_DIRECT: ``auto`` uses it where the filesystem accepts it."""
+    disk_format: DiskFormat = "raw"
+    """Spill file format: ``raw`` extents, or one zarr v3 array per tensor."""
+    checksum: Checksum = "crc32c"
+    """Checksum of spilled bytes, verified on every read."""
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, **overrides: object
+    ) -> StoreConfig:
+        """Read every ``TIERSTORE_*`` variable, then apply keyword overrides.
+
+        Args:
+            env: the environment to read; ``os.environ`` by default.
+            **overrides: field names of this class with a value (text or number); they win.
+
+        Raises:
+            ConfigError: an unknown keyword, or a bad value, named with the variable.
+        """
+        env = os.environ if env is None else env
+        raw: dict[str, tuple[str, object]] = {}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        env_names = {"disk_dirs": ENV_PREFIX + "DISK_DIR"}
+        for field in fields:
+            var = env_names.get(field, ENV_PREFIX + field.upper())
+            if var in env:
+                raw[field] = (var, env[var])
+        known_vars = {env_names.get(f, ENV_PREFIX + f.upper()) for f in fields}
+        for var in env:
+            if var.startswith(ENV_PREFIX) and var not in known_vars:
+                raise ConfigError(
+                    f"{var}={env[var]!r}: unknown variable; known ones are "
+                    f"{', '.join(sorted(known_vars))}"
+                )
+        aliases = {"disk_dir": "disk_dirs"}
+        for key, value in overrides.items():
+            field = aliases.get(key, key)
+            if field not in fields:
+                raise ConfigError(
+                    f"{key}={value!r}: unknown setting; known ones are {', '.join(sorted(fields))}"
+                )
+            if value is not None or field == "disk_bytes":
+                raw[field] = (key, value)
+        return cls._parse(raw)
+
+    @classmethod
+    def _parse(cls, raw: Mapping[str, tuple[str, object]]) -> StoreConfig:
+        values: dict[str, object] = {}
+        for field, (name, value) in raw.items():
+            values[field] = _parse_field(field, name, value)
+        cfg = cls(**values)  # type: ignore[arg-type]
+        cfg._check()
+        return cfg
+
+    def _check(self) -> None:
+        if self.io_chunk_bytes % 4096:
+            raise ConfigError(
+                f"TIERSTORE_IO_CHUNK_BYTES={self.io_chunk_bytes!r}: must be a multiple of 4096 "
+                "(O_DIRECT transfers whole pages)"
+            )
+
+    def replace(self, **changes: object) -> StoreConfig:
+        """A copy with some fields changed, parsed and checked like :meth:`from_env` overrides."""
+        raw = {f.name: (f.name, getattr(self, f.name)) for f in dataclasses.fields(self)}
+        for key, value in changes.items():
+            field = "disk_dirs" if key == "disk_dir" else key
+            if field not in raw:
+                raise ConfigError(f"{key}={value!r}: unknown setting")
+            raw[field] = (key, value)
+        return StoreConfig._parse(raw)
+
+
+def _parse_field(field: str, name: str, value: object) -> object:
+    if field in {"device_bytes", "host_bytes", "min_bytes", "prefetch_bytes"}:
+        return parse_size(value, name=name)  # type: ignore[arg-type]
+    if field == "disk_bytes":
+        return None if value is None else parse_size(value, name=name)  # type: ignore[arg-type]
+    if field == "max_inflight_bytes":
+        size = parse_size(value, name=name)  # type: ignore[arg-type]
+        if size == 0:
+            raise ConfigError(f"{name}={value!r}: must be positive, or nothing could ever move")
+        return size
+    if field == "io_chunk_bytes":
+        size = parse_size(value, name=name)  # type: ignore[arg-type]
+        if not 4096 <= size <= GiB:
+            raise ConfigError(f"{name}={value!r}: must be from 4KiB to 1GiB")
+        return size
+    if field == "io_threads":
+        return _parse_int(value, name=name, low=1, high=256)  # type: ignore[arg-type]
+    if field == "direct_io":
+        return _parse_choice(value, name=name, choices=("auto", "on", "off"))  # type: ignore[arg-type]
+    if field == "disk_format":
+        return _parse_choice(value, name=name, choices=("raw", "zarr"))  # type: ignore[arg-type]
+    if field == "checksum":
+        return _parse_choice(value, name=name, choices=("crc32c", "none"))  # type: ignore[arg-type]
+    if field == "disk_dirs":
+        return _parse_dirs(value, name=name)  # type: ignore[arg-type]
+    raise AssertionError(field)

@@ -1,0 +1,75 @@
+"""The disk engine contract: store and load byte blobs by integer key in private directories.
+
+An engine owns files inside the per-process spill directories it is given (see
+``_spilldir.py``) and nothing else. The store calls it from its event loop; an engine does its
+blocking work on its own threads and must never block the loop. Each engine passes the shared
+conformance tests in ``tests/tiers/engine_conformance.py``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from tierstore.config import StoreConfig
+
+__all__ = ["DiskEngine"]
+
+
+class DiskEngine(abc.ABC):
+    """Stores byte blobs on disk by integer key.
+
+    Args:
+        directories: the private spill directories (mode 0700, already created), one per
+            configured ``TIERSTORE_DISK_DIR`` entry; an engine stripes across them.
+        config: the store's configuration (chunk size, threads, direct I/O, checksum).
+
+    Contract:
+        * ``write(key, src)``: ``src`` is a 1-D contiguous ``uint8`` CPU tensor; the caller keeps
+          it alive and unchanged until the coroutine returns. On return the bytes are stored.
+          On failure nothing stays allocated for ``key`` and the error propagates (an
+          ``OSError`` carries its ``errno``, so the store can tell ENOSPC from EIO).
+        * ``read(key, out)``: fill ``out`` (1-D contiguous ``uint8`` CPU, exactly the written
+          size) with the bytes. Raises ``CorruptTensorError`` when a checksum or size does not
+          match, never returning wrong bytes silently.
+        * ``delete(key)``: free the key's space. Never called while a read or write of the same
+          key is in flight.
+        * ``close()``: delete every file; the store removes the directories afterwards.
+        Nothing on the load path may unpickle.
+    """
+
+    name: ClassVar[str]
+    """The ``TIERSTORE_DISK_FORMAT`` value that selects this engine."""
+
+    def __init__(self, directories: tuple[Path, ...], config: StoreConfig) -> None:
+        self.directories = directories
+        self.config = config
+
+    def footprint(self, nbytes: int) -> int:
+        """Bytes of disk a blob of ``nbytes`` occupies (padding and metadata included)."""
+        return nbytes
+
+    @abc.abstractmethod
+    async def write(self, key: int, src: torch.Tensor) -> None:
+        """Store ``src`` under ``key``."""
+
+    @abc.abstractmethod
+    async def read(self, key: int, out: torch.Tensor) -> None:
+        """Load the bytes of ``key`` into ``out``."""
+
+    @abc.abstractmethod
+    async def delete(self, key: int) -> None:
+        """Free the space of ``key``."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Delete every file this engine made and stop its threads."""
+
+    def describe(self) -> dict[str, object]:
+        """What the engine detected (direct I/O, chunking), for ``python -m tierstore info``."""
+        return {"format": self.name}
