@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierstore._handle import TensorHandle
+from tierstore._malloc import return_freed_memory_to_os
 from tierstore._spilldir import SpillDirectory, check_parent, sweep_stale
 from tierstore._state import TERMINAL, TRANSIT, TensorState, Tier, transition
 from tierstore._stats import StoreStats, TierStats
@@ -192,6 +193,7 @@ class StoreCore:
         self._engine: DiskEngine | None = None
         self._disk_cap = 0
         self._open_disk()
+        return_freed_memory_to_os()
 
     # ------------------------------------------------------------------ disk tier set-up
 
@@ -230,6 +232,17 @@ class StoreCore:
     def engine(self) -> DiskEngine | None:
         """The disk engine, or None when the disk tier is off."""
         return self._engine
+
+    def wrap_engine(self, wrap: Callable[[DiskEngine], DiskEngine]) -> None:
+        """Replace the disk engine by ``wrap(engine)``; tests inject faults and delays this way.
+
+        Raises:
+            RuntimeError: the store has no disk tier, or already holds tensors on disk.
+        """
+        with self._lock:
+            if self._engine is None or self._used[Tier.DISK]:
+                raise RuntimeError("wrap the engine before anything is spilled")
+            self._engine = wrap(self._engine)
 
     # ------------------------------------------------------------------ bookkeeping
 
