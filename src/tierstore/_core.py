@@ -79,6 +79,19 @@ _DISK_RETRY_SECONDS = 1.0
 _PREFETCH_SCAN_LIMIT = 4096
 
 
+_store_tokens = itertools.count(1)
+# Dropped handles are released in batches: waking the loop thread for each one costs a GIL
+# hand-off (tens of microseconds on two cores). Every store call drains the batch first anyway.
+_DRAIN_DELAY_SECONDS = 0.005
+
+
+class _HandleRef(weakref.ref[TensorHandle]):
+    """The store's weak reference to a handle; its callback releases the entry."""
+
+    __slots__ = ("key",)
+    key: int
+
+
 class _Entry:
     """One stored tensor. Fields other than ``state`` are its copies; which exist says where."""
 
@@ -119,7 +132,7 @@ class _Entry:
         self.fetch_future: cf.Future[torch.Tensor] | None = None
         self.ready: Any = None
         self.error: BaseException | None = None
-        self.handle_ref: weakref.ref[TensorHandle] | None = None
+        self.handle_ref: _HandleRef | None = None
 
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.shape) or "scalar"
@@ -182,6 +195,8 @@ class StoreCore:
         self._put_waiters: list[cf.Future[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._dropped: collections.deque[int] = collections.deque()
+        self._drain_scheduled = False
+        self.token = next(_store_tokens)
         self._stats = _Counters()
         self._closed = False
         self._warned_no_room = False
@@ -357,13 +372,19 @@ class StoreCore:
         if self._closed:
             raise StoreClosedError("this tierstore store is closed; create a new TieredStore")
 
-    def on_handle_dropped(self, key: int) -> None:
-        """Finalizer of a handle: queue its release (Note: [Release from a finalizer])."""
-        self._dropped.append(key)
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self._drain_dropped)
+    def _on_handle_dead(self, ref: _HandleRef) -> None:
+        """Weakref callback of a handle: queue its release (Note: [Release from a finalizer])."""
+        self._dropped.append(ref.key)
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: close() drained
+                self.loop.call_soon_threadsafe(
+                    self.loop.call_later, _DRAIN_DELAY_SECONDS, self._drain_dropped
+                )
 
     def _drain_dropped(self) -> None:
+        # Clear the flag before draining, so a handle dropped meanwhile schedules another.
+        self._drain_scheduled = False
         with self._lock:
             self._drain_dropped_locked()
 
@@ -411,8 +432,10 @@ class StoreCore:
             self._live_keys.append(key)
             self._stats.puts += 1
             self._stats.bytes_put += nbytes
-            handle = TensorHandle(key, e.shape, e.dtype, e.device, nbytes, self.on_handle_dropped)
-            e.handle_ref = weakref.ref(handle)
+            handle = TensorHandle(key, e.shape, e.dtype, e.device, nbytes, self.token)
+            ref = _HandleRef(handle, self._on_handle_dead)
+            ref.key = key
+            e.handle_ref = ref
             self._plan_down()
             waiter: cf.Future[None] | None = None
             if self._semaphore_full:
@@ -785,12 +808,10 @@ class StoreCore:
         """
         with self._lock:
             self._drain_dropped_locked()
-            e = self._entries.get(handle.key)
-            if e is None or e.handle_ref is None or e.handle_ref() is not handle:
-                if handle._finalizer.alive:
-                    raise TensorReleasedError(f"{handle!r} does not belong to this store")
+            if handle._released:
                 return
-            handle._finalizer.detach()
+            e = self._lookup(handle)
+            handle._released = True
             self._release_locked(e)
 
     def _release_locked(self, e: _Entry) -> None:
@@ -834,24 +855,24 @@ class StoreCore:
             raise TypeError(f"expected a TensorHandle from put(), got {type(handle).__name__}")
         e = self._entries.get(handle.key)
         if e is None or e.handle_ref is None or e.handle_ref() is not handle:
-            why = (
-                "was released"
-                if not handle._finalizer.alive
-                else "is not in this store (another store's handle, or one made before a fork)"
-            )
+            if handle._owner != self.token:
+                why = "is not in this store (another store's handle, or one made before a fork)"
+            else:
+                why = "was released"
             raise TensorReleasedError(f"{handle!r} {why}")
         return e
 
     def state_of(self, handle: TensorHandle) -> TensorState:
-        """The entry's state (RELEASED once released)."""
+        """The entry's state (RELEASED once released).
+
+        Raises:
+            TensorReleasedError: another store's handle.
+        """
         with self._lock:
             self._drain_dropped_locked()
-            e = self._entries.get(handle.key)
-            if e is None or e.handle_ref is None or e.handle_ref() is not handle:
-                if not handle._finalizer.alive:
-                    return S.RELEASED
-                return self._lookup(handle).state
-            return e.state
+            if handle._released and handle._owner == self.token:
+                return S.RELEASED
+            return self._lookup(handle).state
 
     def tier_of(self, handle: TensorHandle) -> Tier:
         """Where the entry's bytes are: the tier a get would read them from.
