@@ -201,6 +201,9 @@ class StoreCore:
         self._closed = False
         self._warned_no_room = False
         self._disk_failed_at: float | None = None
+        # After ENOSPC (or a spill that found too little free space): the bytes that must be
+        # free again before the disk tier is used (Note: [Disk full until space returns]).
+        self._disk_need = 0
         # Released entries whose I/O is still finishing: their bytes still count.
         self._in_transit_released: set[_Entry] = set()
 
@@ -451,13 +454,25 @@ class StoreCore:
         return min(dev + host + disk, (1 << 63) - 1)
 
     def _disk_usable(self) -> bool:
+        """Whether the cascade may write to disk now (Note: [Disk full until space returns]).
+
+        Note: [Disk full until space returns]
+            A write error pauses the disk tier for ``_DISK_RETRY_SECONDS``, so a failing disk
+            is not hammered. After ENOSPC/EDQUOT, or when the free-space check before a spill
+            finds too little room, the tier also stays off until the filesystem really has
+            that room again. While it is off, :meth:`_free_room` counts no disk room, so
+            ``put`` raises ``TierFullError`` instead of growing the host tier without bound.
+        """
         if self._engine is None:
             return False
         if self._disk_failed_at is None:
             return True
         if time.monotonic() - self._disk_failed_at < _DISK_RETRY_SECONDS:
             return False
+        if self._disk_need and _free_bytes(self.config.disk_dirs) < self._disk_need:
+            return False
         self._disk_failed_at = None
+        self._disk_need = 0
         log.info("tierstore: retrying the disk tier after an earlier failure")
         return True
 
@@ -503,9 +518,13 @@ class StoreCore:
                 break
             assert self._engine is not None
             footprint = self._engine.footprint(e.nbytes)
-            if self._used[Tier.DISK] + footprint > self._disk_cap or not self._disk_has_room(
-                footprint
-            ):
+            if self._used[Tier.DISK] + footprint > self._disk_cap:
+                self._note_no_room(e)
+                break
+            if not self._disk_has_room(footprint):
+                # The filesystem filled up under us (other files, other processes).
+                self._disk_failed_at = time.monotonic()
+                self._disk_need = footprint
                 self._note_no_room(e)
                 break
             if self._inflight and self._inflight + e.nbytes > limit:
@@ -579,8 +598,9 @@ class StoreCore:
             with self._lock:
                 self._inflight -= e.nbytes
                 self._stats.write_errors += 1
+                footprint = e.disk
                 self._set_disk(e, 0)
-                self._disk_failed(e, exc)
+                self._disk_failed(e, footprint, exc)
                 if e.state is S.RELEASED:
                     self._free_copies(e)
                 else:
@@ -599,16 +619,22 @@ class StoreCore:
             self._plan_down()
             self._plan_prefetch()
 
-    def _disk_failed(self, e: _Entry, exc: BaseException) -> None:
+    def _disk_failed(self, e: _Entry, footprint: int, exc: BaseException) -> None:
         self._disk_failed_at = time.monotonic()
-        why = errno.errorcode.get(exc.errno, "") if isinstance(exc, OSError) and exc.errno else ""
+        code = exc.errno if isinstance(exc, OSError) else None
+        why = errno.errorcode.get(code, "") if code else ""
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            self._disk_need = max(footprint, 1)
+            until = "until that much space is free again"
+        else:
+            until = f"for {_DISK_RETRY_SECONDS:.0f}s"
         log.warning(
             "tierstore: writing %s to disk failed (%s%s); it stays in memory and the disk tier "
-            "pauses for %.0fs",
+            "pauses %s",
             e.describe(),
             f"{why}: " if why else "",
             exc,
-            _DISK_RETRY_SECONDS,
+            until,
         )
 
     # ------------------------------------------------------------------ get and prefetch
@@ -943,7 +969,7 @@ class StoreCore:
             skipped_bytes=dict(st.skipped_bytes),
             write_errors=st.write_errors,
             read_errors=st.read_errors,
-            disk_available=self._engine is not None and self._disk_failed_at is None,
+            disk_available=self._disk_usable(),
         )
 
     # ------------------------------------------------------------------ close
