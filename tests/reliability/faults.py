@@ -1,0 +1,202 @@
+"""Reusable fault injection for the disk tier: a wrapper engine and short-I/O patches.
+
+Install the wrapper on a store before anything is spilled::
+
+    faulty = install(store)                    # a FaultyEngine around the store's own engine
+    faulty.fail_writes(errno.ENOSPC)           # every write fails with ENOSPC from now on
+    faulty.fail_reads(errno.EIO, times=1)      # the next read fails once
+
+Everything here uses the ``DiskEngine`` contract only, so it holds for any engine (raw, zarr).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno as errno_mod
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tierstore.tiers import DiskEngine
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierstore import TieredStore
+
+__all__ = ["FaultyEngine", "backdoor_files", "install", "short_io", "wait_for"]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+    """Poll ``cond`` until true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.005)
+
+
+class _Fault:
+    def __init__(self, err: int | BaseException, times: int | None) -> None:
+        self.err = err
+        self.times = times
+
+    def take(self) -> BaseException | None:
+        if self.times is not None:
+            if self.times <= 0:
+                return None
+            self.times -= 1
+        if isinstance(self.err, BaseException):
+            return self.err
+        return OSError(self.err, os.strerror(self.err))
+
+
+class FaultyEngine(DiskEngine):
+    """Wraps a real engine; injects errors, delays and gates on write and read.
+
+    Write faults are raised before the inner write (so nothing is allocated, as the contract
+    demands of a failed write); read faults before the inner read.
+    """
+
+    name = "faulty"
+
+    def __init__(self, inner: DiskEngine) -> None:
+        super().__init__(inner.directories, inner.config)
+        self.inner = inner
+        self._lock = threading.Lock()
+        self._write_fault: _Fault | None = None
+        self._read_fault: _Fault | None = None
+        self.write_delay = 0.0
+        self.read_delay = 0.0
+        self.write_gate: threading.Event | None = None
+        self.before_write: Callable[[int], None] | None = None
+        self.writes = self.reads = self.deletes = 0
+        self.failed_writes = self.failed_reads = 0
+        self.written: set[int] = set()
+
+    # -- configuration ----------------------------------------------------------------------
+
+    def fail_writes(
+        self, err: int | BaseException = errno_mod.EIO, times: int | None = None
+    ) -> None:
+        """Fail the next ``times`` writes (every write when None) with ``err``."""
+        with self._lock:
+            self._write_fault = _Fault(err, times)
+
+    def fail_reads(
+        self, err: int | BaseException = errno_mod.EIO, times: int | None = None
+    ) -> None:
+        """Fail the next ``times`` reads (every read when None) with ``err``."""
+        with self._lock:
+            self._read_fault = _Fault(err, times)
+
+    def heal(self) -> None:
+        """Stop injecting faults."""
+        with self._lock:
+            self._write_fault = self._read_fault = None
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def footprint(self, nbytes: int) -> int:
+        return self.inner.footprint(nbytes)
+
+    async def write(self, key: int, src: torch.Tensor, **kwargs: Any) -> None:
+        if self.write_gate is not None:
+            while not self.write_gate.is_set():
+                await asyncio.sleep(0.002)
+        if self.write_delay:
+            await asyncio.sleep(self.write_delay)
+        if self.before_write is not None:
+            self.before_write(key)
+        with self._lock:
+            self.writes += 1
+            exc = self._write_fault.take() if self._write_fault else None
+            if exc is not None:
+                self.failed_writes += 1
+        if exc is not None:
+            raise exc
+        await self.inner.write(key, src, **kwargs)
+        with self._lock:
+            self.written.add(key)
+
+    async def read(self, key: int, out: torch.Tensor) -> None:
+        if self.read_delay:
+            await asyncio.sleep(self.read_delay)
+        with self._lock:
+            self.reads += 1
+            exc = self._read_fault.take() if self._read_fault else None
+            if exc is not None:
+                self.failed_reads += 1
+        if exc is not None:
+            raise exc
+        await self.inner.read(key, out)
+
+    async def delete(self, key: int) -> None:
+        with self._lock:
+            self.deletes += 1
+            self.written.discard(key)
+        await self.inner.delete(key)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def describe(self) -> dict[str, object]:
+        return {**self.inner.describe(), "wrapped_by": self.name}
+
+
+def install(store: TieredStore) -> FaultyEngine:
+    """Wrap ``store``'s disk engine in a :class:`FaultyEngine` and return the wrapper."""
+    box: list[FaultyEngine] = []
+
+    def wrap(inner: DiskEngine) -> DiskEngine:
+        box.append(FaultyEngine(inner))
+        return box[0]
+
+    store._core.wrap_engine(wrap)
+    return box[0]
+
+
+def backdoor_files(store: TieredStore) -> list[Path]:
+    """The data files the engine made in the store's spill directories (the lock excluded)."""
+    files: list[Path] = []
+    for d in store.spill_dirs:
+        for p in sorted(Path(d).rglob("*")):
+            if p.is_file() and not p.is_symlink() and p.name != ".lock":
+                files.append(p)
+    return files
+
+
+@contextlib.contextmanager
+def short_io(max_bytes: int = 4096) -> Iterator[dict[str, int]]:
+    """Make every ``os.pwrite``/``os.preadv`` move at most ``max_bytes`` per call.
+
+    The limit is a multiple of 4096, so the rest of the transfer stays page-aligned and an
+    O_DIRECT engine can go on where the short call stopped. Yields call counters.
+    """
+    assert max_bytes % 4096 == 0
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+    counts = {"short_writes": 0, "short_reads": 0}
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) > max_bytes:
+            counts["short_writes"] += 1
+            view = view[:max_bytes]
+        return real_pwrite(fd, view, offset)
+
+    def preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        bufs = [memoryview(b).cast("B") for b in buffers]
+        if bufs and len(bufs[0]) > max_bytes:
+            counts["short_reads"] += 1
+            bufs = [bufs[0][:max_bytes]]
+        return real_preadv(fd, bufs, offset, *args)
+
+    os.pwrite, os.preadv = pwrite, preadv  # type: ignore[assignment]
+    try:
+        yield counts
+    finally:
+        os.pwrite, os.preadv = real_pwrite, real_preadv  # type: ignore[assignment]
