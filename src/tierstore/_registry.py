@@ -6,9 +6,13 @@ import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
 import contextlib
 import os
+import signal
 import threading
 import weakref
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 __all__ = ["register"]
 
@@ -16,14 +20,17 @@ __all__ = ["register"]
 class _Closable(Protocol):
     def _close_at_exit(self) -> None: ...
     def _reset_after_fork(self) -> None: ...
+    def _remove_files_now(self) -> None: ...
 
 
 _open: weakref.WeakSet[_Closable] = weakref.WeakSet()
+_sigterm_checked = False
 
 
 def register(store: _Closable) -> None:
     """Close ``store`` at exit and reset it in a forked child."""
     _open.add(store)
+    _install_sigterm_cleanup()
 
 
 def _close_all() -> None:
@@ -49,3 +56,35 @@ if _register_threading_atexit is not None:
     _register_threading_atexit(_close_all)
 atexit.register(_close_all)
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# Note: [SIGTERM]
+#     Python's default SIGTERM action kills the process without running exit hooks, so a
+#     plain ``kill`` (what schedulers, torchrun and docker send first) would leave every
+#     spill directory behind until the next start sweeps it. When the first store opens, on
+#     the main thread, and only if SIGTERM still has the default action, we install a handler
+#     that deletes the spill directories and then re-raises SIGTERM with the default action.
+#     The process still dies of SIGTERM exactly as before (same exit status, no application
+#     code runs, no exception is injected into the main thread); it just leaves no files.
+#     The handler takes no lock and waits for nothing, so it cannot deadlock with a store call
+#     it interrupted. An application that installs its own SIGTERM handler, before or after,
+#     keeps full control (raising SystemExit from it closes every store through the exit
+#     hooks). ``docs/reliability.md`` lists this behaviour.
+def _install_sigterm_cleanup() -> None:
+    global _sigterm_checked
+    if _sigterm_checked or threading.current_thread() is not threading.main_thread():
+        return
+    _sigterm_checked = True
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # not the main interpreter, or signals unavailable
+        pass
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    for store in list(_open):
+        with contextlib.suppress(Exception):
+            store._remove_files_now()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
