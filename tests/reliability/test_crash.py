@@ -1,0 +1,187 @@
+"""Crashes and exits, each in a subprocess with a timeout: nothing hangs, nothing is left behind.
+
+The subprocesses spill for real (host tier 0) and print their spill directory, then a marker
+once transfers are in flight, so every signal lands in the middle of I/O, not after it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tierstore
+from tierstore._spilldir import PREFIX
+
+TESTS = Path(__file__).resolve().parents[1]
+SRC = str(TESTS.parent / "src")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(TESTS)])}
+
+# A training-like loop: put activations (spilled at once), get and drop the older ones.
+HEAVY_LOOP = """
+    import sys, torch, tierstore
+    store = tierstore.TieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
+                                  min_bytes=0, max_inflight_bytes="64MiB")
+    print(store.spill_dirs[0], flush=True)
+    {setup}
+    marked = False
+    step = 0
+    while True:
+        hs = [store.put(torch.full((1 << 20,), float(step))) for _ in range(8)]  # 8 x 4 MiB
+        if not marked and store.stats().inflight_bytes:
+            print("IN_FLIGHT", flush=True)
+            marked = True
+        for h in reversed(hs[4:]):
+            assert store.get(h)[0].item() == float(step)
+        step += 1
+"""
+
+
+def _start(code: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=ENV,
+        text=True,
+    )
+
+
+def _spill_dir_and_wait_in_flight(proc: subprocess.Popen[str]) -> Path:
+    assert proc.stdout is not None
+    spill = Path(proc.stdout.readline().strip())
+    line = proc.stdout.readline().strip()
+    if line != "IN_FLIGHT":
+        proc.kill()
+        _out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"child did not start spilling: {line!r}\n{err[-3000:]}")
+    assert spill.is_dir()
+    return spill
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str]:
+    try:
+        _out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _out, err = proc.communicate()
+        raise AssertionError(f"child hung after the signal:\n{err[-3000:]}") from None
+    return proc.returncode, err
+
+
+def test_sigkill_during_heavy_spill_next_start_removes_the_stale_dir(disk_dir: Path) -> None:
+    proc = _start(HEAVY_LOOP.format(disk_dir=str(disk_dir), setup=""))
+    spill = _spill_dir_and_wait_in_flight(proc)
+    proc.send_signal(signal.SIGKILL)
+    code, _err = _finish(proc)
+    assert code == -signal.SIGKILL
+    assert spill.is_dir() and any(spill.iterdir()), "SIGKILL cannot clean up; the next start must"
+    store = tierstore.TieredStore(disk_dir=disk_dir, host_bytes=0, min_bytes=0)
+    try:
+        assert not spill.exists(), "the next start did not sweep the dead process's directory"
+        assert [p.name.startswith(PREFIX) for p in disk_dir.iterdir()] == [True]
+        t = torch.arange(1000.0)
+        assert store.get(store.put(t)).equal(t)
+    finally:
+        store.close()
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_sigterm_mid_step_removes_the_spill_dir_and_still_dies_of_sigterm(disk_dir: Path) -> None:
+    proc = _start(HEAVY_LOOP.format(disk_dir=str(disk_dir), setup=""))
+    spill = _spill_dir_and_wait_in_flight(proc)
+    proc.send_signal(signal.SIGTERM)
+    code, err = _finish(proc)
+    # Note: [SIGTERM] in _registry.py: the exit status is the default one, files are gone.
+    assert code == -signal.SIGTERM, err[-3000:]
+    assert not spill.exists()
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_application_sigterm_handler_is_respected_and_exit_closes(disk_dir: Path) -> None:
+    # The application installs its handler *before* the store: tierstore must leave it alone.
+    code = textwrap.dedent("""
+        import signal, sys
+        def handler(signum, frame):
+            print("APP_HANDLER", file=sys.stderr, flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, handler)
+    """) + textwrap.dedent(HEAVY_LOOP.format(disk_dir=str(disk_dir), setup=""))
+    proc = _start(code)
+    spill = _spill_dir_and_wait_in_flight(proc)
+    proc.send_signal(signal.SIGTERM)
+    rc, err = _finish(proc)
+    assert rc == 7 and "APP_HANDLER" in err, err[-3000:]
+    assert not spill.exists(), "SystemExit runs the exit hooks, which close the store"
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_keyboard_interrupt_mid_step_closes_the_store(disk_dir: Path) -> None:
+    # A child started from pytest may inherit SIGINT ignored; a terminal user's would not be.
+    setup = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)"
+    proc = _start(HEAVY_LOOP.format(disk_dir=str(disk_dir), setup=setup))
+    spill = _spill_dir_and_wait_in_flight(proc)
+    proc.send_signal(signal.SIGINT)
+    code, err = _finish(proc)
+    assert code != 0 and "KeyboardInterrupt" in err, err[-3000:]
+    assert "Exception ignored" not in err and "Fatal Python error" not in err, err[-3000:]
+    assert not spill.exists()
+    assert list(disk_dir.iterdir()) == []
+
+
+SLOW_EXIT = """
+    import sys, time, torch, tierstore
+    from reliability.faults import install
+    store = tierstore.TieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
+                                  min_bytes=0, timeout={timeout})
+    faulty = install(store)
+    {slow}
+    print(store.spill_dirs[0], flush=True)
+    hs = [store.put(torch.full((1 << 18,), float(i))) for i in range(8)]
+    assert store.stats().inflight_bytes > 0, "nothing pending at exit"
+    print("PENDING", faulty.writes, flush=True)
+    # fall off the end of the script with writes still pending and handles alive
+"""
+
+
+@pytest.mark.parametrize(
+    ("slow", "timeout", "expect"),
+    [
+        ("faulty.write_delay = 0.2", 60, "finished"),
+        ("import threading; faulty.write_gate = threading.Event()  # never opens", 2, "cancelled"),
+    ],
+    ids=["slow-disk-finishes", "stuck-disk-cancels"],
+)
+def test_exit_with_io_pending_finishes_or_cancels_without_hanging(
+    disk_dir: Path, slow: str, timeout: int, expect: str
+) -> None:
+    code = SLOW_EXIT.format(disk_dir=str(disk_dir), slow=slow, timeout=timeout)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=90,
+        check=False,
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.split("\n")
+    spill = Path(lines[0].strip())
+    assert lines[1].startswith("PENDING")
+    assert not spill.exists()
+    assert list(disk_dir.iterdir()) == []
+    if expect == "cancelled":
+        assert "cancelled" in proc.stderr and "transfers still running at close" in proc.stderr
+        assert elapsed < 30, elapsed
+    else:
+        assert "cancelled" not in proc.stderr, proc.stderr[-3000:]
