@@ -36,9 +36,19 @@ def check_parent(parent: Path) -> None:
         ConfigError: it does not exist, is not a directory, or is not writable.
     """
     var = "TIERSTORE_DISK_DIR"
-    if not parent.exists():
-        raise ConfigError(f"{var}={str(parent)!r}: does not exist; create it or point elsewhere")
-    if not parent.is_dir():
+    try:
+        st = os.stat(parent)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{var}={str(parent)!r}: does not exist; create it or point elsewhere"
+        ) from None
+    except OSError as exc:
+        # An ancestor this user may not search (EACCES), a file in the path (ENOTDIR), ...
+        raise ConfigError(
+            f"{var}={str(parent)!r}: cannot be accessed ({exc.strerror}); choose a directory "
+            "this user can reach"
+        ) from None
+    if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"{var}={str(parent)!r}: is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(
