@@ -1,0 +1,287 @@
+"""Hostile input: odd tensors, bad spill directories, junk in the environment.
+
+Each case ends in a clear ``TierStoreError`` subclass or a documented pass-through
+(``docs/reliability.md`` lists which). ``tests/test_store.py`` already covers COO sparse,
+meta, quantized, nested and non-tensors; ``tests/test_config.py`` the parser itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import tierstore
+from tierstore import ConfigError, TieredStore, UnsupportedTensorError
+
+from .faults import wait_for
+
+MiB = 1 << 20
+MakeStore = Callable[..., TieredStore]
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+class LoggedTensor(torch.Tensor):
+    """A plain Python subclass, as libraries make for tracing and logging."""
+
+
+def _fake_tensor() -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(4, 4)
+
+
+HOSTILE: dict[str, tuple[Callable[[], object], str]] = {
+    "sparse_csr": (lambda: torch.eye(4).to_sparse_csr(), "sparse_csr"),
+    "sparse_csc": (lambda: torch.eye(4).to_sparse_csc(), "sparse_csc"),
+    "sparse_bsr": (lambda: torch.eye(4).to_sparse_bsr((2, 2)), "sparse_bsr"),
+    "subclass": (lambda: torch.ones(4).as_subclass(LoggedTensor), "LoggedTensor"),
+    "fake_tensor": (_fake_tensor, "FakeTensor"),
+    "meta_huge": (lambda: torch.empty(1 << 50, device="meta"), "meta"),
+    "numpy_array": (lambda: torch.ones(3).numpy(), "ndarray"),
+    "none": (lambda: None, "NoneType"),
+}
+if hasattr(torch.Tensor, "to_mkldnn") and torch.backends.mkldnn.is_available():
+    HOSTILE["mkldnn"] = (lambda: torch.ones(4, 4).to_mkldnn(), "mkldnn")
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_unstorable_tensors_raise_a_clear_error(make_store: MakeStore, name: str) -> None:
+    make, fragment = HOSTILE[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch calls several of these layouts beta
+        obj = make()
+    store = make_store()
+    with pytest.raises(UnsupportedTensorError, match=fragment) as info:
+        store.put(obj)  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError)
+    assert store.stats().live_entries == 0 and store.stats().puts == 0
+    store._core.audit()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(64, 33, dtype=torch.complex64).conj(),  # lazy conjugate bit
+        lambda: torch.randn(64, 33, dtype=torch.complex64).conj().imag,
+        lambda: torch._neg_view(torch.randn(64, 33)),  # lazy negative bit
+        lambda: torch.randn(64, 33).t()[3:, ::2],
+        lambda: torch.randn(1, 5000).expand(8, 5000),  # stride 0: 8 rows share one storage
+        lambda: torch.randn(70, 70).diagonal(),
+    ],
+    ids=["conj", "conj-imag", "neg-view", "transposed-slice", "expanded", "diagonal"],
+)
+def test_lazy_views_come_back_with_their_values(
+    make_store: MakeStore, make: Callable[[], torch.Tensor], tier: str
+) -> None:
+    t = make()
+    expected = t.resolve_conj().resolve_neg().clone()
+    store = make_store(device_bytes=0, host_bytes=1 << 40 if tier == "host" else 0)
+    h = store.put(t)
+    if tier == "disk":
+        wait_for(lambda: store.tier_of(h) is tierstore.Tier.DISK)
+    out = store.get(h)
+    assert out.shape == t.shape and out.dtype == t.dtype
+    assert torch.equal(out.resolve_conj().resolve_neg(), expected)
+
+
+def test_autograd_and_inference_tensors_pass_through_as_plain_data(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    x = torch.randn(1000, requires_grad=True)
+    y = x * 2  # a non-leaf with a grad_fn
+    with torch.inference_mode():
+        z = torch.randn(1000)
+    hs = [store.put(y), store.put(z)]
+    wait_for(lambda: all(store.tier_of(h) is tierstore.Tier.DISK for h in hs))
+    out_y, out_z = (store.get(h) for h in hs)
+    assert not out_y.requires_grad and out_y.grad_fn is None
+    assert torch.equal(out_y, y.detach()) and torch.equal(out_z, z)
+
+
+# --------------------------------------------------------------------------- disk directory
+
+
+def test_disk_dir_missing_file_or_dangling_link_via_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    for value, fragment in [
+        (str(tmp_path / "missing"), "does not exist"),
+        (str(f), "not a directory"),
+        (str(dangling), "does not exist"),
+        (os.pathsep.join([str(tmp_path), str(tmp_path)]), "same directory twice"),
+    ]:
+        monkeypatch.setenv("TIERSTORE_DISK_DIR", value)
+        with pytest.raises(ConfigError, match="TIERSTORE_DISK_DIR") as info:
+            TieredStore()
+        assert fragment in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "dangling"]
+
+
+def test_unwritable_or_unreachable_disk_dir_is_refused_for_a_normal_user(
+    tmp_path: Path,
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to an unprivileged user for the check")
+    # pytest's tmp_path lives under a 0700 directory of root's: unreachable for nobody.
+    unreachable = tmp_path / "unreachable"
+    unreachable.mkdir()
+    shared = Path(tempfile.mkdtemp(prefix="tierstore-hostile-", dir="/tmp"))
+    try:
+        os.chmod(shared, 0o755)
+        locked = shared / "locked"
+        locked.mkdir(mode=0o755)  # reachable, but owned by root: nobody may not write here
+        code = f"""
+            import os
+            import tierstore, tierstore.tiers._raw  # import first: the interpreter is under /root
+            os.setgid(65534); os.setuid(65534)  # nobody
+            for d in ({str(locked)!r}, {str(unreachable)!r}):
+                try:
+                    tierstore.TieredStore(disk_dir=d)
+                except tierstore.ConfigError as exc:
+                    print("CONFIG_ERROR", exc)
+                else:
+                    print("ACCEPTED", d)
+        """
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": SRC, "HOME": "/nonexistent"},
+            timeout=120,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        lines = proc.stdout.splitlines()
+        assert len(lines) == 2 and all(x.startswith("CONFIG_ERROR") for x in lines), proc.stdout
+        assert "TIERSTORE_DISK_DIR" in lines[0] and "not writable" in lines[0]
+        assert "TIERSTORE_DISK_DIR" in lines[1] and "cannot be accessed" in lines[1]
+        assert list(locked.iterdir()) == [] and list(unreachable.iterdir()) == []
+    finally:
+        shutil.rmtree(shared)
+
+
+def test_root_is_not_stopped_by_permission_bits(tmp_path: Path) -> None:
+    """Documented: as root a 0555 directory is writable, and the store uses it."""
+    if os.geteuid() != 0:
+        pytest.skip("only root bypasses permission bits")
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    with TieredStore(disk_dir=ro, host_bytes=0, min_bytes=0) as store:
+        h = store.put(torch.arange(10.0))
+        wait_for(lambda: store.tier_of(h) is tierstore.Tier.DISK)
+        assert torch.equal(store.get(h), torch.arange(10.0))
+    assert list(ro.iterdir()) == []
+
+
+HAS_DIRECT_PROBE = importlib.util.find_spec("tierstore.tiers._raw") is not None and hasattr(
+    importlib.import_module("tierstore.tiers._raw"), "probe_direct_io"
+)
+
+
+def _tmpfs(tmp_path: Path) -> Path:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode:
+        pytest.skip(f"mount refused here: {proc.stderr.strip()}")
+    return mnt
+
+
+def _umount(mnt: Path) -> None:
+    if subprocess.run(["umount", str(mnt)], check=False).returncode:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_filesystem_without_o_direct_falls_back_in_auto_mode(tmp_path: Path) -> None:
+    mnt = _tmpfs(tmp_path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with TieredStore(disk_dir=mnt, host_bytes=0, min_bytes=0, direct_io="auto") as store:
+                t = torch.randn(3 * MiB // 4 + 1)
+                h = store.put(t)
+                wait_for(lambda: store.tier_of(h) is tierstore.Tier.DISK)
+                assert torch.equal(store.get(h), t)
+        assert list(mnt.iterdir()) == []
+    finally:
+        _umount(mnt)
+
+
+@pytest.mark.xfail(
+    not HAS_DIRECT_PROBE,
+    strict=True,
+    reason="the O_DIRECT engine (and its direct_io='on' check) comes from the disk branch",
+)
+def test_filesystem_without_o_direct_is_refused_when_direct_io_is_on(tmp_path: Path) -> None:
+    mnt = _tmpfs(tmp_path)
+    try:
+        with pytest.raises(ConfigError, match="O_DIRECT"):
+            TieredStore(disk_dir=mnt, direct_io="on")
+        assert list(mnt.iterdir()) == [], "a refused store left its directory behind"
+    finally:
+        _umount(mnt)
+
+
+# --------------------------------------------------------------------------- environment
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("TIERSTORE_HOST_BYTES", "-1"),
+        ("TIERSTORE_HOST_BYTES", "-0"),
+        ("TIERSTORE_HOST_BYTES", "12 parsecs"),
+        ("TIERSTORE_HOST_BYTES", "64MiB;rm -rf /"),
+        ("TIERSTORE_HOST_BYTES", "nan"),
+        ("TIERSTORE_HOST_BYTES", "1e400"),
+        ("TIERSTORE_HOST_BYTES", "18446744073709551616"),  # 2**64
+        ("TIERSTORE_DISK_BYTES", "9" * 400),
+        ("TIERSTORE_DISK_BYTES", "8EiB"),
+        ("TIERSTORE_DEVICE_BYTES", "\u0661\u0662MiB"),  # Arabic-Indic digits
+        ("TIERSTORE_PREFETCH_BYTES", "1,024"),
+        ("TIERSTORE_MIN_BYTES", "0.5KiB.5"),
+        ("TIERSTORE_MAX_INFLIGHT_BYTES", "-64MiB"),
+        ("TIERSTORE_IO_THREADS", "-4"),
+        ("TIERSTORE_IO_THREADS", "4.5"),
+        ("TIERSTORE_IO_THREADS", "9" * 50),
+        ("TIERSTORE_IO_CHUNK_BYTES", "-8MiB"),
+        ("TIERSTORE_HOSTBYTES", "64MiB"),  # a typo is an error, not silence
+    ],
+)
+def test_junk_in_the_environment_is_refused_before_anything_is_made(
+    monkeypatch: pytest.MonkeyPatch, disk_dir: Path, var: str, value: str
+) -> None:
+    monkeypatch.setenv("TIERSTORE_DISK_DIR", str(disk_dir))
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError) as info:
+        TieredStore()
+    msg = str(info.value)
+    assert msg.startswith(f"{var}="), msg
+    assert repr(value) in msg or value in msg
+    assert list(disk_dir.iterdir()) == []
