@@ -27,6 +27,7 @@ log = logging.getLogger("tierstore")
 
 PREFIX = "tierstore-"
 _LOCK = ".lock"
+_NAME_ATTEMPTS = 16
 
 
 def check_parent(parent: Path) -> None:
@@ -61,9 +62,17 @@ class SpillDirectory:
 
     def __init__(self, parent: Path) -> None:
         check_parent(parent)
-        self.path = parent / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        # mkdir fails if the name exists, so a pre-created directory or symlink is never used.
-        os.mkdir(self.path, 0o700)
+        # mkdir fails if the name exists, so a pre-created directory or symlink is never
+        # used; a taken name (planted by someone guessing it, or a PID reused after a crash)
+        # just costs another random name.
+        for attempt in range(_NAME_ATTEMPTS):
+            self.path = parent / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                os.mkdir(self.path, 0o700)
+                break
+            except FileExistsError:
+                if attempt == _NAME_ATTEMPTS - 1:
+                    raise
         os.chmod(self.path, 0o700)
         self._lock_fd: int | None = os.open(
             self.path / _LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600
