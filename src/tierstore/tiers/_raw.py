@@ -233,7 +233,9 @@ class _BounceBuffer:
     def close(self) -> None:
         self.view.release()
         del self._anchor
-        self._map.close()
+        # A traceback still holding a slice keeps the map exported; the GC unmaps it later.
+        with contextlib.suppress(BufferError):
+            self._map.close()
 
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
