@@ -163,7 +163,7 @@ def _run(
     cache = PageCache()
     ctx = Context(d1, d2, cache)
     paths = [e for e in engines if e != "raw-limit"]
-    steps = args.repeats * (len(paths) * len(sizes) + ("raw-limit" in engines))
+    steps = args.repeats * len(sizes) * (len(paths) + ("raw-limit" in engines))
     progress = Progress(steps, enabled=not args.no_progress)
     write: dict[tuple[str, int], list[float]] = {}
     read: dict[tuple[str, int], list[float]] = {}
@@ -172,26 +172,18 @@ def _run(
     summaries: dict[str, str] = {}
     limits: list[RawLimit] = []
 
-    sources: dict[int, list[torch.Tensor]] = {}
+    limit_by_size: dict[int, list[RawLimit]] = {}
     for size in sizes:
-        n = max(1, min(MAX_TENSORS, total // size))
-        g = torch.Generator().manual_seed(size)
-        block = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
-        tensors = []
-        for i in range(n):
-            t = block.clone()
-            t[:8] = torch.tensor(list(i.to_bytes(8, "little")), dtype=torch.uint8)
-            tensors.append(t)
-        sources[size] = tensors
-
-    for _ in range(args.repeats):
-        if "raw-limit" in engines:
-            limit = measure_raw_limit(d1, min(max(total, 64 << 20), 1 << 30))
-            limits.append(limit)
-            progress.step("raw-limit")
-        for size in sizes:
-            tensors = sources[size]
-            nbytes = sum(t.numel() for t in tensors)
+        # One size at a time, so only its tensors are in memory; the raw limit is measured
+        # next to the paths it is compared with, in each repeat.
+        tensors = _make_tensors(size, max(1, min(MAX_TENSORS, total // size)))
+        nbytes = sum(t.numel() for t in tensors)
+        for _ in range(args.repeats):
+            if "raw-limit" in engines:
+                progress.step(f"raw-limit {_size_name(size)}")
+                limit = measure_raw_limit(d1, min(max(total, 16 << 20), 1 << 30))
+                limits.append(limit)
+                limit_by_size.setdefault(size, []).append(limit)
             for name in paths:
                 progress.step(f"{name} {_size_name(size)} x{len(tensors)}")
                 timing: Timing = PATHS[name](ctx, tensors)
@@ -206,13 +198,15 @@ def _run(
                     us_per_tensor.setdefault(f"{name} {_size_name(size)}", []).append(per)
                 if timing.stats:
                     summaries[name] = timing.stats
+        del tensors
     progress.finish()
 
     results: list[Row] = []
     for size in sizes:
-        if limits:
-            for op, values in (("write", [x.write_gbps for x in limits]),
-                               ("read", [x.read_gbps for x in limits])):
+        if size in limit_by_size:
+            here = limit_by_size[size]
+            for op, values in (("write", [x.write_gbps for x in here]),
+                               ("read", [x.read_gbps for x in here])):
                 lo, med, hi = _stats(values)
                 results.append(_result("raw-limit", op, size, lo, med, hi))
         for name in paths:
@@ -248,6 +242,20 @@ def _run(
     if args.plot is not None:
         _plot(results, args.plot, machine)
     return 0
+
+
+def _make_tensors(size: int, n: int) -> list[torch.Tensor]:
+    """``n`` distinct tensors of ``size`` random bytes (distinct storages: the store would
+    otherwise keep one copy of tensors that share memory)."""
+    g = torch.Generator().manual_seed(size)
+    block = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+    tensors = []
+    for i in range(n):
+        t = block.clone()
+        head = min(8, size)
+        t[:head] = torch.tensor(list(i.to_bytes(8, "little")[:head]), dtype=torch.uint8)
+        tensors.append(t)
+    return tensors
 
 
 def _result(engine: str, op: str, size: int, lo: float, med: float, hi: float) -> Row:
