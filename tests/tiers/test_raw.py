@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import logging
@@ -143,6 +144,22 @@ async def test_the_file_grows_when_full(
     for k, t in enumerate(srcs):
         await engine.write(k, t)
     assert engine._files[0].extents.size >= 30 * CHUNK
+    for k, t in enumerate(srcs):
+        out = torch.empty_like(t)
+        await engine.read(k, out)
+        assert torch.equal(out, t)
+
+
+async def test_many_writers_finding_the_file_full_grow_it_once(
+    engine: RawEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # See Note: [One growth for many waiting writers].
+    monkeypatch.setattr(_raw, "_GROW_MIN", 4 * CHUNK)
+    monkeypatch.setattr(_raw, "_GROW_MAX", 16 * CHUNK)
+    srcs = [random_bytes(CHUNK, seed=k) for k in range(64)]
+    await asyncio.gather(*(engine.write(k, t) for k, t in enumerate(srcs)))
+    # Doubling from 4 chunks: 4, 8, 16, then steps of 16 up to the 64 needed.
+    assert engine._files[0].extents.size == 64 * CHUNK
     for k, t in enumerate(srcs):
         out = torch.empty_like(t)
         await engine.read(k, out)

@@ -128,11 +128,20 @@ class _Extents:
     def __init__(self) -> None:
         self._offsets: list[int] = []
         self._lengths: list[int] = []
+        self._lock = threading.Lock()  # the loop thread and a growing I/O thread both use it
         self.size = 0
         """Bytes the file has been grown to."""
         self.free_bytes = 0
 
     def alloc(self, nbytes: int) -> int | None:
+        with self._lock:
+            return self._alloc(nbytes)
+
+    def free(self, offset: int, nbytes: int) -> None:
+        with self._lock:
+            self._free(offset, nbytes)
+
+    def _alloc(self, nbytes: int) -> int | None:
         for i, length in enumerate(self._lengths):
             if length >= nbytes:
                 offset = self._offsets[i]
@@ -145,7 +154,7 @@ class _Extents:
                 return offset
         return None
 
-    def free(self, offset: int, nbytes: int) -> None:
+    def _free(self, offset: int, nbytes: int) -> None:
         i = bisect.bisect_left(self._offsets, offset)
         if i > 0 and self._offsets[i - 1] + self._lengths[i - 1] == offset:
             i -= 1
@@ -171,14 +180,23 @@ class _SpillFile:
         self.extents = _Extents()
         self.grow_lock = threading.Lock()
 
-    def grow(self, nbytes: int) -> None:
-        """Make room for ``nbytes`` more (blocking; runs on an I/O thread).
+    def grow_and_alloc(self, nbytes: int) -> int | None:
+        """Grow the file if it still lacks ``nbytes`` free, then allocate them (on an I/O thread).
+
+        Note: [One growth for many waiting writers]
+            Many writers can find the file full at once (the store keeps hundreds of small
+            writes in flight). Each one lands here, but under ``grow_lock`` only the first
+            grows; the others find the new space and allocate from it. Without this check
+            every writer doubled the file, and a benchmark filled an 80 GB disk.
 
         Raises:
             OSError: ENOSPC (or another errno) when the filesystem cannot give the space; the
                 file is left at its old size.
         """
         with self.grow_lock:
+            offset = self.extents.alloc(nbytes)
+            if offset is not None:
+                return offset
             old = self.extents.size
             step = min(max(old, _GROW_MIN), _GROW_MAX)
             for amount in dict.fromkeys((max(_pad(nbytes), step), _pad(nbytes))):
@@ -194,7 +212,9 @@ class _SpillFile:
                     continue
                 self.extents.size = old + amount
                 self.extents.free(old, amount)
-                return
+                break
+            # None only if the loop thread took the new space first; the caller tries again.
+            return self.extents.alloc(nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,8 +462,10 @@ class RawEngine(DiskEngine):
                 need = sum(_pad(lengths[i]) for i in indices)
                 offset = f.extents.alloc(need)
                 while offset is None:
-                    await asyncio.get_running_loop().run_in_executor(self._pool, f.grow, need)
-                    offset = f.extents.alloc(need)
+                    # See Note: [One growth for many waiting writers].
+                    offset = await asyncio.get_running_loop().run_in_executor(
+                        self._pool, f.grow_and_alloc, need
+                    )
                 blob.extents.append((f, offset, need))
                 at = offset
                 for i in indices:
