@@ -124,6 +124,20 @@ class EngineConformance:
             assert torch.equal(outs[k], t), k
             assert self.backdoor_read(engine, k) == t.numpy().tobytes()
 
+    async def test_a_cancelled_write_stores_nothing(self, engine: DiskEngine) -> None:
+        src = random_bytes(6 * CHUNK + 1, seed=3)
+        task = asyncio.create_task(engine.write(5, src))
+        await asyncio.sleep(0)  # let the write start and hand work to its threads
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(KeyError):
+            await engine.read(5, torch.empty_like(src))
+        await engine.write(5, src)  # the key is free again
+        out = torch.empty_like(src)
+        await engine.read(5, out)
+        assert torch.equal(out, src)
+
     async def test_writing_a_stored_key_again_is_refused(self, engine: DiskEngine) -> None:
         await engine.write(3, random_bytes(10))
         with pytest.raises(KeyError):

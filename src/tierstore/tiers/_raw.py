@@ -463,9 +463,7 @@ class RawEngine(DiskEngine):
                 offset = f.extents.alloc(need)
                 while offset is None:
                     # See Note: [One growth for many waiting writers].
-                    offset = await asyncio.get_running_loop().run_in_executor(
-                        self._pool, f.grow_and_alloc, need
-                    )
+                    offset = await self._grow(f, need)
                 blob.extents.append((f, offset, need))
                 at = offset
                 for i in indices:
@@ -479,6 +477,15 @@ class RawEngine(DiskEngine):
             for i, length in enumerate(lengths)
         ]
         return blob
+
+    async def _grow(self, f: _SpillFile, need: int) -> int | None:
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, f.grow_and_alloc, need)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # The thread may still allocate; give the extent back when it does.
+            fut.add_done_callback(lambda done: _free_granted(done, f, need))
+            raise
 
     def _free(self, blob: _Blob) -> None:
         for f, offset, nbytes in blob.extents:
@@ -580,6 +587,13 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     _ChunkFn = Callable[[_Blob, int, memoryview, int], None]
+
+
+def _free_granted(done: asyncio.Future[int | None], f: _SpillFile, nbytes: int) -> None:
+    if not done.cancelled() and done.exception() is None:
+        offset = done.result()
+        if offset is not None:
+            f.extents.free(offset, nbytes)
 
 
 def _check_bytes(t: torch.Tensor, name: str) -> None:

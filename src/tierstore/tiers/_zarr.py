@@ -109,9 +109,12 @@ class ZarrEngine(DiskEngine):
         if key in self._sizes:
             raise KeyError(f"key {key} is already stored; delete it first")
         loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._pool, self._write, key, src, dtype, shape)
         try:
-            await loop.run_in_executor(self._pool, self._write, key, src, dtype, shape)
+            await asyncio.shield(fut)
         except BaseException:
+            # Cancelled or failed: let the thread finish before removing what it made.
+            await asyncio.wait([fut])
             await loop.run_in_executor(self._pool, _remove, self._path(key))
             raise
         self._sizes[key] = src.numel()
