@@ -469,7 +469,7 @@ class StoreCore:
             return True
         if time.monotonic() - self._disk_failed_at < _DISK_RETRY_SECONDS:
             return False
-        if self._disk_need and _free_bytes(self.config.disk_dirs) < self._disk_need:
+        if self._disk_need and self._disk_free() < self._disk_need:
             return False
         self._disk_failed_at = None
         self._disk_need = 0
@@ -546,7 +546,12 @@ class StoreCore:
 
     def _disk_has_room(self, footprint: int) -> bool:
         # Other processes share the disk: check what is really free before each spill.
-        return _free_bytes(self.config.disk_dirs) >= footprint
+        return self._disk_free() >= footprint
+
+    def _disk_free(self) -> int:
+        """Free bytes for spilling: the filesystems' free space plus the engine's reusable."""
+        reusable = self._engine.reusable_bytes() if self._engine is not None else 0
+        return _free_bytes(self.config.disk_dirs) + reusable
 
     def _note_no_room(self, e: _Entry) -> None:
         self._stats.kept_no_room += 1

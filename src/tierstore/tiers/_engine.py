@@ -56,6 +56,15 @@ class DiskEngine(abc.ABC):
         """Bytes of disk a blob of ``nbytes`` occupies (padding and metadata included)."""
         return nbytes
 
+    def reusable_bytes(self) -> int:
+        """Bytes this engine already holds on disk that a new blob can reuse.
+
+        The store checks the filesystem's free space before each spill; an engine that
+        preallocates (the raw engine's extents) keeps space a deleted blob freed, which
+        ``statvfs`` no longer shows as free. The store adds this to the free space.
+        """
+        return 0
+
     @abc.abstractmethod
     async def write(
         self,

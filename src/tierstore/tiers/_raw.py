@@ -207,8 +207,11 @@ class _SpillFile:
                     with contextlib.suppress(OSError):
                         os.ftruncate(self.fd, old)
                     if e.errno != errno.ENOSPC or amount == _pad(nbytes):
-                        raise OSError(e.errno, f"growing {self.path} by {amount} bytes: "
-                                      f"{e.strerror}", str(self.path)) from e
+                        raise OSError(
+                            e.errno,
+                            f"growing {self.path} by {amount} bytes: {e.strerror}",
+                            str(self.path),
+                        ) from e
                     continue
                 self.extents.size = old + amount
                 self.extents.free(old, amount)
@@ -373,6 +376,10 @@ class RawEngine(DiskEngine):
         """Bytes of disk a blob of ``nbytes`` occupies: every chunk padded to whole pages."""
         full, tail = divmod(nbytes, self._chunk)
         return full * self._chunk + _pad(tail)
+
+    def reusable_bytes(self) -> int:
+        """Free extents inside the spill files (space of deleted blobs, growth not yet used)."""
+        return sum(f.extents.free_bytes for f in self._files)
 
     async def write(
         self,
