@@ -104,6 +104,9 @@ class FaultyEngine(DiskEngine):
     def footprint(self, nbytes: int) -> int:
         return self.inner.footprint(nbytes)
 
+    def reusable_bytes(self) -> int:
+        return self.inner.reusable_bytes()
+
     async def write(self, key: int, src: torch.Tensor, **kwargs: Any) -> None:
         if self.write_gate is not None:
             while not self.write_gate.is_set():

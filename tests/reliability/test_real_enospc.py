@@ -133,7 +133,7 @@ def test_real_enospc_mid_run_then_space_returns(
     monkeypatch.setattr(core_mod, "_DISK_RETRY_SECONDS", 0.05)
     filler: list[Path] = []
     with TieredStore(
-        # direct_io="auto": O_DIRECT on ext4, buffered on tmpfs (which refuses O_DIRECT).
+        # direct_io="auto": O_DIRECT wherever the filesystem takes it.
         disk_dir=small_fs,
         device_bytes=0,
         host_bytes=MiB,

@@ -75,7 +75,8 @@ def test_predictable_spill_dir_name_taken_by_a_symlink_is_not_followed(
     victim.mkdir()
     (victim / "precious").write_text("keep me")
     tokens = iter(["deadbeef", "deadbeef", "cafef00d"])
-    monkeypatch.setattr(spilldir.secrets, "token_hex", lambda n: next(tokens))
+    fake_secrets = type("FakeSecrets", (), {"token_hex": staticmethod(lambda n: next(tokens))})
+    monkeypatch.setattr(spilldir, "secrets", fake_secrets)  # only the spill dir's names
     # The attacker guessed our PID and random part and planted both a symlink and a directory.
     planted_link = disk_dir / f"{PREFIX}{os.getpid()}-deadbeef"
     planted_link.symlink_to(victim)
