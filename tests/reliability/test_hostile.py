@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 import os
 import shutil
@@ -195,11 +194,6 @@ def test_root_is_not_stopped_by_permission_bits(tmp_path: Path) -> None:
     assert list(ro.iterdir()) == []
 
 
-HAS_DIRECT_PROBE = importlib.util.find_spec("tierstore.tiers._raw") is not None and hasattr(
-    importlib.import_module("tierstore.tiers._raw"), "probe_direct_io"
-)
-
-
 def _no_direct_fs(tmp_path: Path) -> Path:
     """A mounted ramfs: it refuses O_DIRECT (tmpfs accepts it since Linux 6.6)."""
     if os.geteuid() != 0:
@@ -238,9 +232,8 @@ def test_filesystem_without_o_direct_falls_back_in_auto_mode(
         try:
             engine = store._core.engine
             assert engine is not None
-            if HAS_DIRECT_PROBE:
-                assert "O_DIRECT is refused" in caplog.text
-                assert engine.describe()["direct_io"] == {str(store.spill_dirs[0]): False}
+            assert "O_DIRECT is refused" in caplog.text
+            assert engine.describe()["direct_io"] == {str(store.spill_dirs[0]): False}
             # The buffered fallback moves real bytes (straight through the engine: ramfs
             # reports no free space, so the store's disk tier itself has capacity 0).
             src = torch.randint(0, 256, (MiB + 4097,), dtype=torch.uint8)
@@ -260,11 +253,6 @@ def test_filesystem_without_o_direct_falls_back_in_auto_mode(
         _umount(mnt)
 
 
-@pytest.mark.xfail(
-    not HAS_DIRECT_PROBE,
-    strict=True,
-    reason="the O_DIRECT engine (and its direct_io='on' check) comes from the disk branch",
-)
 def test_filesystem_without_o_direct_is_refused_when_direct_io_is_on(tmp_path: Path) -> None:
     mnt = _no_direct_fs(tmp_path)
     try:
