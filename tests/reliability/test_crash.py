@@ -185,3 +185,43 @@ def test_exit_with_io_pending_finishes_or_cancels_without_hanging(
         assert elapsed < 30, elapsed
     else:
         assert "cancelled" not in proc.stderr, proc.stderr[-3000:]
+
+
+BLOCKED_PUT = """
+    import signal, sys, threading, torch, tierstore
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from reliability.faults import install
+    store = tierstore.TieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
+                                  min_bytes=0, max_inflight_bytes="1MiB", timeout=2)
+    faulty = install(store)
+    faulty.write_gate = threading.Event()  # the disk never answers
+    print(store.spill_dirs[0], flush=True)
+    hs = [store.put(torch.ones(1 << 18))]  # 1 MiB in flight: the semaphore is full
+    print("IN_FLIGHT", flush=True)
+    hs.append(store.put(torch.ones(1 << 18)))  # blocks on backpressure until the signal
+    print("NOT_BLOCKED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_while_put_waits_on_backpressure_does_not_hang(
+    disk_dir: Path, sig: signal.Signals
+) -> None:
+    proc = _start(BLOCKED_PUT.format(disk_dir=str(disk_dir)))
+    spill = _spill_dir_and_wait_in_flight(proc)
+    time.sleep(0.3)  # let the main thread block inside put()
+    proc.send_signal(sig)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the blocked put hung after the signal") from None
+    assert "NOT_BLOCKED" not in out
+    # An uncaught KeyboardInterrupt ends Python by re-raising SIGINT: status -2, like SIGTERM's.
+    assert proc.returncode == -sig, err[-3000:]
+    if sig == signal.SIGINT:
+        assert "KeyboardInterrupt" in err, err[-3000:]
+        # The stuck write is cancelled after the store's timeout (2 s here), then cleaned up.
+        assert "cancelled 1 transfers still running at close" in err, err[-3000:]
+    assert not spill.exists()
+    assert list(disk_dir.iterdir()) == []

@@ -119,6 +119,28 @@ def test_enospc_makes_disk_unavailable_until_space_returns(
         assert torch.equal(store.get(h), _pattern(MiB // 8, i))
 
 
+def test_free_space_is_checked_before_each_spill(
+    make_store: MakeStore, free_space: dict[str, int | None]
+) -> None:
+    store = make_store(device_bytes=0, host_bytes=MiB, disk_bytes="1GiB")
+    faulty = install(store)
+    free_space["free"] = MiB // 4  # less than one tensor: another process filled the disk
+    hs = [store.put(_pattern(MiB // 8, i)) for i in range(3)]
+    wait_for(lambda: _settled(store))
+    assert faulty.writes == 0, "spilled without checking the free space first"
+    st = store.stats()
+    assert st.kept_no_room >= 1 and not st.disk_available and st.write_errors == 0
+    with pytest.raises(TierFullError, match="disk tier unavailable"):
+        store.put(_pattern(MiB // 8, 3))
+    free_space["free"] = None
+    wait_for(lambda: store.stats().disk_available)
+    hs.append(store.put(_pattern(MiB // 8, 3)))
+    wait_for(lambda: _settled(store) and store.tier_of(hs[0]) is Tier.DISK)
+    assert faulty.writes >= 2
+    for i, h in enumerate(hs):
+        assert torch.equal(store.get(h), _pattern(MiB // 8, i))
+
+
 def test_transient_eio_pauses_then_retries(
     make_store: MakeStore, free_space: dict[str, int | None]
 ) -> None:
