@@ -416,12 +416,12 @@ class StoreCore:
             nbytes = t.numel() * t.element_size()
             movable = nbytes >= self.config.min_bytes and nbytes > 0
             if movable and nbytes > self._free_room():
+                off = "" if self._disk_usable() else " (disk tier unavailable: write error or full)"
                 raise TierFullError(
                     f"no tier has room for a {nbytes}-byte {str(t.dtype).removeprefix('torch.')} "
                     f"tensor: device {self._used[Tier.DEVICE]}/{self.config.device_bytes}, "
                     f"host {self._used[Tier.HOST]}/{self.config.host_bytes}, "
-                    f"disk {self._used[Tier.DISK]}/{self._disk_cap} bytes used"
-                    f"{'' if self._disk_usable() else ' (disk tier unavailable after an error)'}; "
+                    f"disk {self._used[Tier.DISK]}/{self._disk_cap} bytes used{off}; "
                     "raise TIERSTORE_HOST_BYTES or TIERSTORE_DISK_BYTES, or release tensors"
                 )
             key = next(self._keys)
