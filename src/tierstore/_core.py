@@ -596,6 +596,15 @@ class StoreCore:
             self._plan_down()
 
     async def _spill(self, e: _Entry) -> None:
+        with self._lock:
+            if _released(e):
+                # Released before the write began (an eval or no_grad forward dropping its
+                # graph): no disk traffic for bytes nobody will read.
+                self._inflight -= e.nbytes
+                self._set_disk(e, 0)  # reserved, never written: nothing to delete
+                self._free_copies(e)
+                self._plan_down()
+                return
         src = e.host
         assert src is not None and self._engine is not None
         t0 = time.perf_counter()
@@ -760,6 +769,14 @@ class StoreCore:
     async def _fetch(self, e: _Entry) -> None:
         fut = e.fetch_future
         assert fut is not None
+        with self._lock:
+            if _released(e):
+                # Released before the read began: skip it (a prefetch nobody will consume).
+                self._free_copies(e)
+                if not fut.done():
+                    fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
+                self._plan_prefetch()
+                return
         t0 = time.perf_counter()
         from_disk = bool(e.disk)
         try:
@@ -1055,6 +1072,12 @@ class StoreCore:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _released(e: _Entry) -> bool:
+    # A function, not an inline test: the state changes across the task's awaits, and an
+    # inline test would let the type checker narrow it for the rest of the coroutine.
+    return e.state is S.RELEASED
 
 
 def _check_tensor(t: object) -> None:
