@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -289,4 +290,52 @@ def test_truncated_spill_file_raises_never_garbage(make_store: MakeStore, fmt: s
     with pytest.raises(CorruptTensorError, match=f"tensor #{h.key}"):
         store.get(h)
     assert store.state_of(h) is TensorState.FAILED
+    store._core.audit()
+
+
+# --------------------------------------------------------------------------- released in flight
+
+
+def _block_loop(store: TieredStore) -> threading.Event:
+    """Hold the store's loop thread until the returned event is set."""
+    go, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        go.wait(30)
+
+    store._core.loop.call_soon_threadsafe(hold)
+    assert held.wait(10)
+    return go
+
+
+def test_released_before_its_write_starts_is_never_written(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    faulty = install(store)
+    go = _block_loop(store)
+    hs = [store.put(_pattern(MiB // 4, i)) for i in range(3)]  # spills queued, not started
+    assert all(store.state_of(h) is TensorState.MOVING_TO_DISK for h in hs)
+    for h in hs:  # an eval forward drops its graph
+        store.release(h)
+    go.set()
+    wait_for(lambda: store.stats().inflight_bytes == 0 and store.stats().host.bytes == 0)
+    assert faulty.writes == 0 and faulty.deletes == 0
+    st = store.stats()
+    assert st.disk.bytes == 0 and st.live_entries == 0
+    store._core.audit()
+
+
+def test_released_before_its_read_starts_is_never_read(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=8 * MiB)
+    faulty = install(store)
+    hs = [store.put(_pattern(MiB // 4, i)) for i in range(3)]
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and _settled(store))
+    go = _block_loop(store)
+    store.prefetch(hs)
+    assert all(store.state_of(h) is TensorState.FETCHING for h in hs)
+    for h in hs:
+        store.release(h)
+    go.set()
+    wait_for(lambda: store.stats().disk.bytes == 0 and faulty.deletes == 3)
+    assert faulty.reads == 0
     store._core.audit()
