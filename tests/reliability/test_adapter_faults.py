@@ -1,0 +1,83 @@
+"""Disk faults under the training adapter: gradients stay bit-exact, errors name the tensor.
+
+Runs once ``offload_activations`` is on the branch (the adapters land separately); until then
+each test skips and says so.
+"""
+
+from __future__ import annotations
+
+import errno
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import tierstore
+import tierstore._core as core_mod
+from tierstore import SpillIOError, TieredStore
+
+from .faults import install, wait_for
+
+KiB = 1 << 10
+MakeStore = Callable[..., TieredStore]
+
+offload_activations = getattr(tierstore, "offload_activations", None)
+needs_adapters = pytest.mark.skipif(
+    offload_activations is None, reason="tierstore.offload_activations is not merged here yet"
+)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(128, 128), nn.Tanh())])
+
+
+def _grads(model: nn.Module, store: TieredStore | None) -> list[torch.Tensor]:
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(1))
+    model.zero_grad()
+    if store is None:
+        loss = model(x).square().sum()
+    else:
+        assert offload_activations is not None
+        with offload_activations(store, min_bytes=0):
+            loss = model(x).square().sum()
+        wait_for(lambda: store.stats().inflight_bytes == 0)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@needs_adapters
+def test_failing_disk_writes_keep_gradients_bit_exact(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(core_mod, "_DISK_RETRY_SECONDS", 0.01)
+    expected = _grads(_model(), None)
+    store = make_store(device_bytes=0, host_bytes=256 * KiB)
+    faulty = install(store)
+    faulty.fail_writes(errno.ENOSPC)
+    with warnings.catch_warnings():
+        # The adapter warns once when a tensor stays in place for lack of room.
+        warnings.filterwarnings("ignore", "tierstore: no tier had room", RuntimeWarning)
+        got = _grads(_model(), store)
+    assert faulty.failed_writes > 0
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    store._core.audit()
+
+
+@needs_adapters
+def test_failing_disk_read_in_backward_raises_naming_the_tensor(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    faulty = install(store)
+    model = _model()
+    x = torch.randn(256, 128)
+    assert offload_activations is not None
+    with offload_activations(store, min_bytes=0):
+        loss = model(x).square().sum()
+    wait_for(lambda: store.stats().inflight_bytes == 0 and store.stats().disk.entries > 0)
+    faulty.fail_reads(errno.EIO)
+    with pytest.raises(SpillIOError, match=r"tensor #\d+"):
+        loss.backward()
