@@ -1047,19 +1047,6 @@ class StoreCore:
                 d.remove()
         log.info("%s", summary)
 
-    def remove_files_now(self) -> None:
-        """Delete the spill directories at once: no lock, no waiting for the I/O threads.
-
-        Only for a process that is about to die (the SIGTERM handler in ``_registry.py``):
-        writes still running go to unlinked files and end with the process.
-        """
-        for d in list(self._spill_dirs):
-            # An I/O thread may create a file while rmtree runs; a few passes outrun it.
-            for _ in range(20):
-                d.remove()
-                if not os.path.lexists(d.path):
-                    break
-
     def forget_after_fork(self) -> None:
         """In a forked child: drop everything without touching the parent's files or locks."""
         self._closed = True

@@ -1,4 +1,9 @@
-"""Every open store, so that all of them close at interpreter exit and reset after fork."""
+"""Every open store and spill directory: closed or removed at exit and SIGTERM, reset after fork.
+
+Stores are held weakly (a dropped store must be free to go); the spill directories strongly,
+until they are removed. A store dropped without ``close()`` (an ``AsyncTieredStore`` whose loop
+ended, a ``TieredStore`` that went out of scope) therefore still leaves no directory at exit.
+"""
 
 from __future__ import annotations
 
@@ -20,10 +25,18 @@ __all__ = ["register"]
 class _Closable(Protocol):
     def _close_at_exit(self) -> None: ...
     def _reset_after_fork(self) -> None: ...
-    def _remove_files_now(self) -> None: ...
+
+
+class _Removable(Protocol):
+    def remove(self) -> None: ...
+    def forget(self) -> None: ...
 
 
 _open: weakref.WeakSet[_Closable] = weakref.WeakSet()
+_dirs: set[_Removable] = set()
+# Reentrant: the SIGTERM handler runs on the main thread, possibly between the acquire and the
+# release of a track() it interrupted.
+_dirs_lock = threading.RLock()
 _sigterm_checked = False
 
 
@@ -33,14 +46,37 @@ def register(store: _Closable) -> None:
     _install_sigterm_cleanup()
 
 
+def track(directory: _Removable) -> None:
+    """Remove ``directory`` at exit or SIGTERM unless it is removed or forgotten first."""
+    with _dirs_lock:
+        _dirs.add(directory)
+
+
+def untrack(directory: _Removable) -> None:
+    with _dirs_lock:
+        _dirs.discard(directory)
+
+
+def _tracked() -> list[_Removable]:
+    with _dirs_lock:
+        return list(_dirs)
+
+
 def _close_all() -> None:
     for store in list(_open):
         with contextlib.suppress(Exception):
             store._close_at_exit()
     _open.clear()
+    # Directories of stores that were dropped without close().
+    for d in _tracked():
+        with contextlib.suppress(Exception):
+            d.remove()
 
 
 def _after_fork_in_child() -> None:
+    # The parent's directories stay the parent's: forget them before the stores start anew.
+    for d in _tracked():
+        d.forget()
     for store in list(_open):
         store._reset_after_fork()
 
@@ -66,8 +102,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 #     that deletes the spill directories and then re-raises SIGTERM with the default action.
 #     The process still dies of SIGTERM exactly as before (same exit status, no application
 #     code runs, no exception is injected into the main thread); it just leaves no files.
-#     The handler takes no lock and waits for nothing, so it cannot deadlock with a store call
-#     it interrupted. An application that installs its own SIGTERM handler, before or after,
+#     The handler takes no store lock and waits for nothing, so it cannot deadlock with a
+#     store call it interrupted; it removes every tracked directory, stores dropped without
+#     close() included. An application that installs its own SIGTERM handler, before or after,
 #     keeps full control (raising SystemExit from it closes every store through the exit
 #     hooks). ``docs/reliability.md`` lists this behaviour.
 def _install_sigterm_cleanup() -> None:
@@ -83,8 +120,10 @@ def _install_sigterm_cleanup() -> None:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    for store in list(_open):
+    # No store lock, nothing waited for; _dirs_lock is reentrant and held only around set
+    # operations, so this cannot deadlock with whatever the main thread was doing.
+    for d in _tracked():
         with contextlib.suppress(Exception):
-            store._remove_files_now()
+            d.remove()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)

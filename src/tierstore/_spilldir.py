@@ -19,6 +19,7 @@ import shutil
 import stat
 from pathlib import Path
 
+from tierstore import _registry
 from tierstore.errors import ConfigError
 
 __all__ = ["PREFIX", "SpillDirectory", "check_parent", "sweep_stale"]
@@ -78,14 +79,21 @@ class SpillDirectory:
             self.path / _LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600
         )
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _registry.track(self)
 
     def remove(self) -> None:
         """Delete the directory and everything in it; safe to call twice."""
-        shutil.rmtree(self.path, ignore_errors=True)
+        # An I/O thread may still create a file while rmtree runs (a store dropped or killed
+        # mid-spill); a few passes outrun it.
+        for _ in range(20):
+            shutil.rmtree(self.path, ignore_errors=True)
+            if not os.path.lexists(self.path):
+                break
         self.forget()
 
     def forget(self) -> None:
         """Drop the lock without deleting (a forked child must not keep its parent's lock)."""
+        _registry.untrack(self)
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)

@@ -156,10 +156,6 @@ class AsyncTieredStore:
             for d in core._spill_dirs:
                 d.remove()
 
-    def _remove_files_now(self) -> None:
-        if self._core is not None:
-            self._core.remove_files_now()
-
     def _reset_after_fork(self) -> None:
         if self._core is not None:
             self._core.forget_after_fork()

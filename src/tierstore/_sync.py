@@ -237,10 +237,6 @@ class TieredStore:
     def _close_at_exit(self) -> None:
         self.close()
 
-    def _remove_files_now(self) -> None:
-        if self._core is not None:
-            self._core.remove_files_now()
-
     def _reset_after_fork(self) -> None:
         # The loop thread did not survive the fork. The parent's entries and spill files stay
         # the parent's: the child forgets them and starts empty, with its own directory.
