@@ -225,3 +225,72 @@ def test_signal_while_put_waits_on_backpressure_does_not_hang(
         assert "cancelled 1 transfers still running at close" in err, err[-3000:]
     assert not spill.exists()
     assert list(disk_dir.iterdir()) == []
+
+
+ASYNC_EXIT = """
+    import asyncio, torch, tierstore
+    from reliability.faults import install
+
+    async def main():
+        store = tierstore.AsyncTieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
+                                           min_bytes=0)
+        await store.open()
+        faulty = install(store)
+        faulty.write_delay = 0.3
+        print(store._core.spill_dirs[0], flush=True)
+        hs = [await store.put(torch.full((1 << 18,), float(i))) for i in range(6)]
+        assert store._core.stats().inflight_bytes > 0
+        print("PENDING", flush=True)
+        return hs  # the loop ends with writes pending and the store never closed
+
+    asyncio.run(main())
+"""
+
+
+def test_async_store_left_open_when_its_loop_ends_exits_cleanly(disk_dir: Path) -> None:
+    # install() needs a TieredStore-like object; AsyncTieredStore has the same _core.
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(ASYNC_EXIT.format(disk_dir=str(disk_dir)))],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=90,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[1] == "PENDING"
+    assert not Path(lines[0]).exists()
+    assert list(disk_dir.iterdir()) == []
+    for noise in ("Traceback", "Exception ignored", "was destroyed but it is pending", "Fatal"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]
+
+
+DROPPED_SYNC = """
+    import gc, torch, tierstore
+
+    def step():
+        store = tierstore.TieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
+                                      min_bytes=0)
+        hs = [store.put(torch.full((1 << 18,), float(i))) for i in range(4)]
+        print(store.spill_dirs[0], flush=True)
+        return hs  # the store itself is dropped, never closed
+
+    hs = step()
+    gc.collect()
+"""
+
+
+def test_sync_store_dropped_without_close_leaves_nothing_at_exit(disk_dir: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(DROPPED_SYNC.format(disk_dir=str(disk_dir)))],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=90,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not Path(proc.stdout.splitlines()[0]).exists()
+    assert list(disk_dir.iterdir()) == []
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -146,7 +146,7 @@ def test_unwritable_or_unreachable_disk_dir_is_refused_for_a_normal_user(
     # pytest's tmp_path lives under a 0700 directory of root's: unreachable for nobody.
     unreachable = tmp_path / "unreachable"
     unreachable.mkdir()
-    shared = Path(tempfile.mkdtemp(prefix="tierstore-hostile-", dir="/tmp"))
+    shared = Path(tempfile.mkdtemp(prefix="hostile-", dir="/tmp"))
     try:
         os.chmod(shared, 0o755)
         locked = shared / "locked"

@@ -233,7 +233,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.dir = Path(tempfile.mkdtemp(prefix="tierstore-sm-"))
+        self.dir = Path(tempfile.mkdtemp(prefix="statemachine-"))
         self.model: dict[int, tuple[Any, torch.Tensor]] = {}
         self.store: TieredStore | None = None
 
