@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from hypothesis.stateful import (
     consumes,
     initialize,
     invariant,
+    multiple,
     rule,
 )
 
@@ -238,11 +240,16 @@ class StoreMachine(RuleBasedStateMachine):
         self.store: TieredStore | None = None
 
     @initialize(
+        target=handles,
         device=st.sampled_from([0, 64 * KiB]),
         host=st.sampled_from([0, 48 * KiB, 256 * KiB]),
         prefetch=st.sampled_from([16 * KiB, 1 * MiB]),
+        first=st.lists(st.integers(1024, 50_000), min_size=4, max_size=10),
     )
-    def open_store(self, device: int, host: int, prefetch: int) -> None:
+    def open_store(self, device: int, host: int, prefetch: int, first: list[int]) -> Any:
+        # A short pause after a write error keeps sequences with faults quick.
+        self.saved_retry = core_mod._DISK_RETRY_SECONDS
+        core_mod._DISK_RETRY_SECONDS = 0.01
         self.store = TieredStore(
             disk_dir=self.dir,
             device_bytes=device,
@@ -252,18 +259,41 @@ class StoreMachine(RuleBasedStateMachine):
             min_bytes=1024,
             disk_bytes=16 * MiB,
         )
+        self.faulty = install(self.store)
+        # Start with a batch, so every sequence has entries moving through every tier.
+        return multiple(*(self._put(seed, n) for seed, n in enumerate(first)))
 
-    @rule(
-        target=handles,
-        seed=st.integers(0, 10**6),
-        nbytes=st.sampled_from([0, 1, 1000, 1024, 4097, 20000, 40000]),
-    )
-    def put(self, seed: int, nbytes: int) -> Any:
+    def _put(self, seed: int, nbytes: int) -> int:
         assert self.store is not None
         t = _tensor(seed, nbytes)
         h = self.store.put(t)
         self.model[h.key] = (h, t)
-        return h.key
+        return int(h.key)
+
+    @rule()
+    def fail_next_write(self) -> None:
+        self.faulty.fail_writes(errno.EIO, times=1)
+
+    @rule()
+    def fail_next_read(self) -> None:
+        self.faulty.fail_reads(errno.EIO, times=1)
+
+    @rule(
+        target=handles,
+        seed=st.integers(0, 10**6),
+        # Spilling sizes first: hypothesis treats the first choice as the simplest.
+        nbytes=st.sampled_from([40000, 20000, 4097, 1024, 1000, 1, 0]),
+    )
+    def put(self, seed: int, nbytes: int) -> Any:
+        for _attempt in range(1000):
+            try:
+                return self._put(seed, nbytes)
+            except TierFullError:
+                # Only while the disk tier pauses (10 ms) after an injected write error; the
+                # put must succeed after it, so the bundle does not depend on timing.
+                assert self.faulty.failed_writes > 0
+                time.sleep(0.002)
+        raise AssertionError("put kept raising TierFullError after the disk pause")
 
     @rule(key=handles)
     def get(self, key: int) -> None:
@@ -271,7 +301,12 @@ class StoreMachine(RuleBasedStateMachine):
         if key not in self.model:
             return
         h, t = self.model[key]
-        assert torch.equal(self.store.get(h), t)
+        try:
+            out = self.store.get(h)
+        except SpillIOError as exc:  # an injected read fault, used up now: the retry works
+            assert f"tensor #{h.key}" in str(exc)
+            out = self.store.get(h)
+        assert torch.equal(out, t)
 
     @rule(keys=st.lists(handles, max_size=4))
     def prefetch(self, keys: list[int]) -> None:
@@ -306,9 +341,16 @@ class StoreMachine(RuleBasedStateMachine):
         self.store._core.audit()
 
     def teardown(self) -> None:
+        if hasattr(self, "saved_retry"):
+            core_mod._DISK_RETRY_SECONDS = self.saved_retry
         if self.store is not None:
+            self.faulty.heal()
             for h, t in self.model.values():
-                assert torch.equal(self.store.get(h), t)
+                try:
+                    out = self.store.get(h)
+                except SpillIOError:  # a prefetch may have used an injected fault
+                    out = self.store.get(h)
+                assert torch.equal(out, t)
             self.store.close()
             leftovers = list(self.dir.iterdir())
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -318,7 +360,7 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 TestStoreMachine = StoreMachine.TestCase
-TestStoreMachine.settings = settings(PROFILE, max_examples=25, stateful_step_count=25)
+TestStoreMachine.settings = settings(PROFILE, max_examples=30, stateful_step_count=30)
 
 
 # --------------------------------------------------------------------------- round trips
