@@ -245,7 +245,9 @@ class _BounceBuffer:
     """A page-aligned buffer of one chunk, reused for every unaligned O_DIRECT transfer."""
 
     def __init__(self, nbytes: int) -> None:
-        self._map = mmap.mmap(-1, nbytes)
+        # Private, not the default shared mapping: shared anonymous memory is shmem, which
+        # /proc/meminfo counts as page cache ("Cached"), and it would be inherited on fork.
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self.address = ctypes.addressof(self._anchor)
         self.view = memoryview(self._map)
