@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierstore._handle import TensorHandle
+from tierstore._malloc import return_freed_memory_to_os
 from tierstore._spilldir import SpillDirectory, check_parent, sweep_stale
 from tierstore._state import TERMINAL, TRANSIT, TensorState, Tier, transition
 from tierstore._stats import StoreStats, TierStats
@@ -76,6 +77,19 @@ _WINDOW = frozenset({S.FETCHING, S.FETCHED})
 _DISK_RETRY_SECONDS = 1.0
 # A prefetch scan looks at most this many older entries, so one get never walks a huge table.
 _PREFETCH_SCAN_LIMIT = 4096
+
+
+_store_tokens = itertools.count(1)
+# Dropped handles are released in batches: waking the loop thread for each one costs a GIL
+# hand-off (tens of microseconds on two cores). Every store call drains the batch first anyway.
+_DRAIN_DELAY_SECONDS = 0.005
+
+
+class _HandleRef(weakref.ref[TensorHandle]):
+    """The store's weak reference to a handle; its callback releases the entry."""
+
+    __slots__ = ("key",)
+    key: int
 
 
 class _Entry:
@@ -118,7 +132,7 @@ class _Entry:
         self.fetch_future: cf.Future[torch.Tensor] | None = None
         self.ready: Any = None
         self.error: BaseException | None = None
-        self.handle_ref: weakref.ref[TensorHandle] | None = None
+        self.handle_ref: _HandleRef | None = None
 
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.shape) or "scalar"
@@ -181,6 +195,8 @@ class StoreCore:
         self._put_waiters: list[cf.Future[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._dropped: collections.deque[int] = collections.deque()
+        self._drain_scheduled = False
+        self.token = next(_store_tokens)
         self._stats = _Counters()
         self._closed = False
         self._warned_no_room = False
@@ -192,6 +208,7 @@ class StoreCore:
         self._engine: DiskEngine | None = None
         self._disk_cap = 0
         self._open_disk()
+        return_freed_memory_to_os()
 
     # ------------------------------------------------------------------ disk tier set-up
 
@@ -230,6 +247,17 @@ class StoreCore:
     def engine(self) -> DiskEngine | None:
         """The disk engine, or None when the disk tier is off."""
         return self._engine
+
+    def wrap_engine(self, wrap: Callable[[DiskEngine], DiskEngine]) -> None:
+        """Replace the disk engine by ``wrap(engine)``; tests inject faults and delays this way.
+
+        Raises:
+            RuntimeError: the store has no disk tier, or already holds tensors on disk.
+        """
+        with self._lock:
+            if self._engine is None or self._used[Tier.DISK]:
+                raise RuntimeError("wrap the engine before anything is spilled")
+            self._engine = wrap(self._engine)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -344,13 +372,19 @@ class StoreCore:
         if self._closed:
             raise StoreClosedError("this tierstore store is closed; create a new TieredStore")
 
-    def on_handle_dropped(self, key: int) -> None:
-        """Finalizer of a handle: queue its release (Note: [Release from a finalizer])."""
-        self._dropped.append(key)
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self._drain_dropped)
+    def _on_handle_dead(self, ref: _HandleRef) -> None:
+        """Weakref callback of a handle: queue its release (Note: [Release from a finalizer])."""
+        self._dropped.append(ref.key)
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: close() drained
+                self.loop.call_soon_threadsafe(
+                    self.loop.call_later, _DRAIN_DELAY_SECONDS, self._drain_dropped
+                )
 
     def _drain_dropped(self) -> None:
+        # Clear the flag before draining, so a handle dropped meanwhile schedules another.
+        self._drain_scheduled = False
         with self._lock:
             self._drain_dropped_locked()
 
@@ -398,8 +432,10 @@ class StoreCore:
             self._live_keys.append(key)
             self._stats.puts += 1
             self._stats.bytes_put += nbytes
-            handle = TensorHandle(key, e.shape, e.dtype, e.device, nbytes, self.on_handle_dropped)
-            e.handle_ref = weakref.ref(handle)
+            handle = TensorHandle(key, e.shape, e.dtype, e.device, nbytes, self.token)
+            ref = _HandleRef(handle, self._on_handle_dead)
+            ref.key = key
+            e.handle_ref = ref
             self._plan_down()
             waiter: cf.Future[None] | None = None
             if self._semaphore_full:
@@ -438,6 +474,8 @@ class StoreCore:
 
     def _plan_down(self) -> None:
         """Move the oldest entries of over-full tiers down (Note: [The cascade] in docs)."""
+        if self._closed:
+            return  # close() is draining the transfers in flight; start no new ones
         cfg = self.config
         limit = cfg.max_inflight_bytes
         blocked = False
@@ -538,7 +576,7 @@ class StoreCore:
         assert src is not None and self._engine is not None
         t0 = time.perf_counter()
         try:
-            await self._engine.write(e.key, as_bytes(src))
+            await self._engine.write(e.key, as_bytes(src), dtype=e.dtype, shape=tuple(e.shape))
         except Exception as exc:
             with self._lock:
                 self._inflight -= e.nbytes
@@ -772,12 +810,10 @@ class StoreCore:
         """
         with self._lock:
             self._drain_dropped_locked()
-            e = self._entries.get(handle.key)
-            if e is None or e.handle_ref is None or e.handle_ref() is not handle:
-                if handle._finalizer.alive:
-                    raise TensorReleasedError(f"{handle!r} does not belong to this store")
+            if handle._released:
                 return
-            handle._finalizer.detach()
+            e = self._lookup(handle)
+            handle._released = True
             self._release_locked(e)
 
     def _release_locked(self, e: _Entry) -> None:
@@ -804,7 +840,8 @@ class StoreCore:
         self._set_fetched(e, None)
         if e.disk:
             self._set_disk(e, 0)
-            self._spawn(self._delete, e.key)
+            if not self._closed:  # at close the engine deletes every file at once
+                self._spawn(self._delete, e.key)
         e.ready = None
 
     async def _delete(self, key: int) -> None:
@@ -821,24 +858,24 @@ class StoreCore:
             raise TypeError(f"expected a TensorHandle from put(), got {type(handle).__name__}")
         e = self._entries.get(handle.key)
         if e is None or e.handle_ref is None or e.handle_ref() is not handle:
-            why = (
-                "was released"
-                if not handle._finalizer.alive
-                else "is not in this store (another store's handle, or one made before a fork)"
-            )
+            if handle._owner != self.token:
+                why = "is not in this store (another store's handle, or one made before a fork)"
+            else:
+                why = "was released"
             raise TensorReleasedError(f"{handle!r} {why}")
         return e
 
     def state_of(self, handle: TensorHandle) -> TensorState:
-        """The entry's state (RELEASED once released)."""
+        """The entry's state (RELEASED once released).
+
+        Raises:
+            TensorReleasedError: another store's handle.
+        """
         with self._lock:
             self._drain_dropped_locked()
-            e = self._entries.get(handle.key)
-            if e is None or e.handle_ref is None or e.handle_ref() is not handle:
-                if not handle._finalizer.alive:
-                    return S.RELEASED
-                return self._lookup(handle).state
-            return e.state
+            if handle._released and handle._owner == self.token:
+                return S.RELEASED
+            return self._lookup(handle).state
 
     def tier_of(self, handle: TensorHandle) -> Tier:
         """Where the entry's bytes are: the tier a get would read them from.
@@ -928,14 +965,20 @@ class StoreCore:
 
     async def finish_close(self, timeout: float) -> None:
         """Let in-flight I/O end (cancel it after ``timeout`` seconds), then delete everything."""
-        pending = {t for t in self._tasks if t is not asyncio.current_task()}
-        if pending:
-            _done, still = await asyncio.wait(pending, timeout=timeout)
-            for t in still:
-                t.cancel()
-            if still:
-                log.warning("tierstore: cancelled %d transfers still running at close", len(still))
-                await asyncio.wait(still, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        # Finishing tasks may start others (a fetch completing a prefetch walk); wait until no
+        # task is left, then cancel whatever outlived the timeout.
+        while pending := {t for t in self._tasks if t is not asyncio.current_task()}:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for t in pending:
+                    t.cancel()
+                log.warning(
+                    "tierstore: cancelled %d transfers still running at close", len(pending)
+                )
+                await asyncio.wait(pending, timeout=5)
+                break
+            await asyncio.wait(pending, timeout=left)
         with self._lock:
             summary = self._snapshot_locked().summary()
             for e in list(self._entries.values()):
