@@ -310,7 +310,7 @@ class RawEngine(DiskEngine):
     Args:
         directories: private spill directories, one per ``TIERSTORE_DISK_DIR`` entry; chunks
             are striped across them.
-        config: ``io_threads`` (default 4), ``io_chunk_bytes`` (default 8 MiB), ``direct_io``
+        config: ``io_threads`` (default 8), ``io_chunk_bytes`` (default 8 MiB), ``direct_io``
             (``auto`` uses O_DIRECT where the filesystem takes it, otherwise buffered I/O with
             ``posix_fadvise(DONTNEED)``; ``on`` insists; ``off`` never tries) and ``checksum``
             (``crc32c`` per chunk, or ``none``).
