@@ -176,6 +176,10 @@ class _SpillFile:
         self.path = directory / SPILL_FILE
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         self.fd = os.open(self.path, flags | (_O_DIRECT if direct else 0), 0o600)
+        if not direct:
+            # Reads are whole chunks already; readahead would only pull neighbouring extents
+            # into the page cache, which spilling is meant to empty.
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         self.direct = direct
         self.extents = _Extents()
         self.grow_lock = threading.Lock()
@@ -531,7 +535,8 @@ class RawEngine(DiskEngine):
                 blob.crcs[i] = crc32c(src, c.length)
             _pwrite_all(c.file.fd, view[c.start : c.start + c.length], c.offset)
             if not c.file.direct:
-                _drop_cached(c.file.fd, c.offset, c.length, dirty=True)
+                # The whole padded extent: DONTNEED keeps partly covered pages.
+                _drop_cached(c.file.fd, c.offset, _pad(c.length), dirty=True)
             return
         # See Note: [Bounce buffers] and Note: [True size and padded size].
         buf = self._bounce.get()
@@ -551,7 +556,7 @@ class RawEngine(DiskEngine):
         if not c.file.direct or (dst % PAGE == 0 and c.length % PAGE == 0):
             _pread_all(c.file.fd, view[c.start : c.start + c.length], c.offset, c.file.path)
             if not c.file.direct:
-                _drop_cached(c.file.fd, c.offset, c.length, dirty=False)
+                _drop_cached(c.file.fd, c.offset, _pad(c.length), dirty=False)
             self._verify(blob, i, dst)
             return
         buf = self._bounce.get()
