@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,8 +13,8 @@ __all__ = ["TensorHandle"]
 class TensorHandle:
     """A reference to one stored tensor.
 
-    The store keeps no strong reference to handles: when the last reference to a handle is
-    dropped, its entry is released and every copy freed. Handles compare by identity.
+    The store keeps only a weak reference to each handle: when the last reference to a handle
+    is dropped, its entry is released and every copy freed. Handles compare by identity.
 
     Attributes:
         key: the entry's number, unique within its store.
@@ -26,7 +24,7 @@ class TensorHandle:
         nbytes: the tensor's size in bytes (elements times element size).
     """
 
-    __slots__ = ("__weakref__", "_finalizer", "device", "dtype", "key", "nbytes", "shape")
+    __slots__ = ("__weakref__", "_owner", "_released", "device", "dtype", "key", "nbytes", "shape")
 
     def __init__(
         self,
@@ -35,16 +33,15 @@ class TensorHandle:
         dtype: torch.dtype,
         device: torch.device,
         nbytes: int,
-        on_drop: Callable[[int], None],
+        owner: int,
     ) -> None:
         self.key = key
         self.shape = shape
         self.dtype = dtype
         self.device = device
         self.nbytes = nbytes
-        self._finalizer = weakref.finalize(self, on_drop, key)
-        # Handles still alive at exit need no release: the store's own close cleans up.
-        self._finalizer.atexit = False
+        self._owner = owner
+        self._released = False
 
     def __repr__(self) -> str:
         shape = "x".join(str(s) for s in self.shape) or "scalar"
@@ -52,7 +49,3 @@ class TensorHandle:
             f"TensorHandle(#{self.key}, {shape}, {str(self.dtype).removeprefix('torch.')}, "
             f"{self.device}, {self.nbytes} bytes)"
         )
-
-    def describe(self) -> str:
-        """A short name for error messages: number, shape, dtype and device."""
-        return repr(self)

@@ -119,8 +119,9 @@ def _parse_choice(value: str, *, name: str, choices: tuple[str, ...]) -> str:
     return value.strip().lower()
 
 
-def _parse_dirs(value: str | os.PathLike[str] | tuple[str | os.PathLike[str], ...] | list[str],
-                *, name: str) -> tuple[Path, ...]:
+def _parse_dirs(
+    value: str | os.PathLike[str] | tuple[str | os.PathLike[str], ...] | list[str], *, name: str
+) -> tuple[Path, ...]:
     if isinstance(value, (str, os.PathLike)):
         parts: list[str | os.PathLike[str]] = [p for p in os.fspath(value).split(os.pathsep) if p]
     elif isinstance(value, (tuple, list)):
@@ -193,13 +194,11 @@ class StoreConfig:
     """Checksum of spilled bytes, verified on every read."""
 
     @classmethod
-    def from_env(
-        cls, env: Mapping[str, str] | None = None, **overrides: object
-    ) -> StoreConfig:
+    def from_env(cls, env: Mapping[str, str] | None = None, /, **overrides: object) -> StoreConfig:
         """Read every ``TIERSTORE_*`` variable, then apply keyword overrides.
 
         Args:
-            env: the environment to read; ``os.environ`` by default.
+            env: the environment to read (positional only); ``os.environ`` by default.
             **overrides: field names of this class with a value (text or number); they win.
 
         Raises:

@@ -13,6 +13,7 @@ __all__ = [
     "IllegalTransitionError",
     "SpillIOError",
     "StoreClosedError",
+    "StoreTimeoutError",
     "TensorReleasedError",
     "TierFullError",
     "TierStoreError",
@@ -63,3 +64,7 @@ class IllegalTransitionError(TierStoreError, RuntimeError):
 
 class WrongThreadError(TierStoreError, RuntimeError):
     """A blocking call was made from the store's own event-loop thread, which would deadlock."""
+
+
+class StoreTimeoutError(TierStoreError, TimeoutError):
+    """A blocking call waited longer than the store's timeout (a stuck disk, usually)."""

@@ -53,7 +53,7 @@ class RawEngine(DiskEngine):
 
 
 def _write(path: Path, src: torch.Tensor) -> None:
-    view = memoryview(src.numpy())
+    view = memoryview(src.numpy())  # type: ignore[arg-type]
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
     try:
         done = 0
@@ -67,7 +67,7 @@ def _write(path: Path, src: torch.Tensor) -> None:
 
 
 def _read(path: Path, out: torch.Tensor) -> None:
-    view = memoryview(out.numpy())
+    view = memoryview(out.numpy())  # type: ignore[arg-type]
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         done = 0

@@ -1,0 +1,1045 @@
+"""The store's engine room: entries, placement, the save semaphore and the I/O tasks.
+
+Both public classes drive one :class:`StoreCore`. ``AsyncTieredStore`` binds it to the running
+event loop; ``TieredStore`` binds it to a loop it owns on a background thread.
+
+Note: [Threading model]
+    Entry state lives in this object and changes only under ``self._lock``, a plain
+    ``threading.Lock`` held for microseconds and never across an ``await``. Every disk read or
+    write, and every CUDA copy, runs as a task on the store's event loop; the tasks take the
+    lock only to record what they did. That lets ``put`` into a tier with room, and ``get`` of
+    a tensor that is already back, finish in the caller's own thread without a hop to the loop
+    (a hop costs 50-110 us on the development machine), while anything that must wait waits on
+    a ``concurrent.futures.Future`` that any thread or coroutine can block on.
+
+Note: [Release from a finalizer]
+    Handles are released by ``weakref.finalize`` when they are garbage-collected, which can
+    happen in any thread, even one that holds ``self._lock`` at that moment. The finalizer
+    therefore only appends the key to a deque (atomic) and asks the loop to drain it; every
+    public operation drains it first too, so a caller never sees a released entry counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import collections
+import concurrent.futures as cf
+import contextlib
+import errno
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tierstore._handle import TensorHandle
+from tierstore._malloc import return_freed_memory_to_os
+from tierstore._spilldir import SpillDirectory, check_parent, sweep_stale
+from tierstore._state import TERMINAL, TRANSIT, TensorState, Tier, transition
+from tierstore._stats import StoreStats, TierStats
+from tierstore.errors import (
+    CorruptTensorError,
+    SpillIOError,
+    StoreClosedError,
+    TensorReleasedError,
+    TierFullError,
+    UnsupportedTensorError,
+)
+from tierstore.tiers import open_engine
+from tierstore.tiers._device import (
+    as_bytes,
+    compact,
+    copy_to_device,
+    copy_to_host,
+    from_bytes,
+    host_buffer,
+    ready_event,
+)
+
+if TYPE_CHECKING:
+    from tierstore.config import StoreConfig
+    from tierstore.tiers import DiskEngine
+
+__all__ = ["StoreCore"]
+
+log = logging.getLogger("tierstore")
+
+S = TensorState
+_WINDOW = frozenset({S.FETCHING, S.FETCHED})
+# How long a failed disk stays unavailable before the store checks for space again.
+_DISK_RETRY_SECONDS = 1.0
+# A prefetch scan looks at most this many older entries, so one get never walks a huge table.
+_PREFETCH_SCAN_LIMIT = 4096
+
+
+_store_tokens = itertools.count(1)
+# Dropped handles are released in batches: waking the loop thread for each one costs a GIL
+# hand-off (tens of microseconds on two cores). Every store call drains the batch first anyway.
+_DRAIN_DELAY_SECONDS = 0.005
+
+
+class _HandleRef(weakref.ref[TensorHandle]):
+    """The store's weak reference to a handle; its callback releases the entry."""
+
+    __slots__ = ("key",)
+    key: int
+
+
+class _Entry:
+    """One stored tensor. Fields other than ``state`` are its copies; which exist says where."""
+
+    __slots__ = (
+        "data",
+        "device",
+        "disk",
+        "dtype",
+        "error",
+        "fetch_future",
+        "fetched",
+        "handle_ref",
+        "host",
+        "key",
+        "movable",
+        "nbytes",
+        "ready",
+        "shape",
+        "state",
+    )
+
+    def __init__(self, key: int, t: torch.Tensor, movable: bool) -> None:
+        self.key = key
+        self.shape = t.shape
+        self.dtype = t.dtype
+        self.device = t.device
+        self.nbytes = t.numel() * t.element_size()
+        self.movable = movable
+        self.state = S.DEVICE
+        self.data: torch.Tensor | None = None
+        """The tensor on its own device."""
+        self.host: torch.Tensor | None = None
+        """The host-tier copy (on the CPU, the tensor itself)."""
+        self.disk = 0
+        """Bytes this entry's spill file occupies (reserved from the start of the write)."""
+        self.fetched: torch.Tensor | None = None
+        """A copy brought back to the device ahead of get."""
+        self.fetch_future: cf.Future[torch.Tensor] | None = None
+        self.ready: Any = None
+        self.error: BaseException | None = None
+        self.handle_ref: _HandleRef | None = None
+
+    def describe(self) -> str:
+        shape = "x".join(str(s) for s in self.shape) or "scalar"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"tensor #{self.key} ({shape} {dtype} from {self.device}, {self.nbytes} bytes)"
+
+    def home(self) -> TensorState:
+        """The resting state a fetched or fetching entry returns to."""
+        return S.DISK if self.disk else S.HOST
+
+
+class _Counters:
+    """Cumulative counters; mutated under the core lock only."""
+
+    def __init__(self) -> None:
+        self.puts = self.gets = self.releases = self.bytes_put = 0
+        self.bytes_to_host = self.bytes_to_disk = self.bytes_from_disk = self.bytes_to_device = 0
+        self.seconds_to_host = self.seconds_to_disk = 0.0
+        self.seconds_from_disk = self.seconds_to_device = 0.0
+        self.get_wait_seconds = self.put_wait_seconds = 0.0
+        self.prefetch_hits = self.prefetch_misses = self.kept_no_room = 0
+        self.write_errors = self.read_errors = 0
+        self.skipped: collections.Counter[str] = collections.Counter()
+        self.skipped_bytes: collections.Counter[str] = collections.Counter()
+        self.total_entries = dict.fromkeys(Tier, 0)
+        self.total_bytes = dict.fromkeys(Tier, 0)
+
+
+class StoreCore:
+    """Thread-safe state of one store, bound to the event loop that runs its I/O.
+
+    Args:
+        config: the resolved configuration.
+        loop: the event loop that runs this store's I/O tasks.
+        loop_thread: the ident of the thread running ``loop``.
+
+    Raises:
+        ConfigError: a spill directory parent is missing, not a directory, or not writable.
+    """
+
+    def __init__(
+        self, config: StoreConfig, loop: asyncio.AbstractEventLoop, loop_thread: int
+    ) -> None:
+        self.config = config
+        self.loop = loop
+        self.loop_thread = loop_thread
+        self._lock = threading.Lock()
+        self._keys = itertools.count(1)
+        self._entries: dict[int, _Entry] = {}
+        self._live_keys: list[int] = []
+        self._used = dict.fromkeys(Tier, 0)
+        self._count = dict.fromkeys(Tier, 0)
+        # Bytes resting where the cascade may move them from: movable DEVICE and HOST entries.
+        self._resting = {Tier.DEVICE: 0, Tier.HOST: 0}
+        self._heaps: dict[Tier, list[int]] = {Tier.DEVICE: [], Tier.HOST: []}
+        self._window = 0
+        self._inflight = 0
+        self._cursor: int | None = None
+        self._semaphore_full = False
+        self._put_waiters: list[cf.Future[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._dropped: collections.deque[int] = collections.deque()
+        self._drain_scheduled = False
+        self.token = next(_store_tokens)
+        self._stats = _Counters()
+        self._closed = False
+        self._warned_no_room = False
+        self._disk_failed_at: float | None = None
+        # Released entries whose I/O is still finishing: their bytes still count.
+        self._in_transit_released: set[_Entry] = set()
+
+        self._spill_dirs: list[SpillDirectory] = []
+        self._engine: DiskEngine | None = None
+        self._disk_cap = 0
+        self._open_disk()
+        return_freed_memory_to_os()
+
+    # ------------------------------------------------------------------ disk tier set-up
+
+    def _open_disk(self) -> None:
+        cfg = self.config
+        for parent in cfg.disk_dirs:
+            check_parent(parent)
+            sweep_stale(parent)
+        if cfg.disk_bytes == 0:
+            return
+        free = _free_bytes(cfg.disk_dirs)
+        cap = free if cfg.disk_bytes is None else min(cfg.disk_bytes, free)
+        if cfg.disk_bytes is not None and cfg.disk_bytes > free:
+            log.warning(
+                "tierstore: TIERSTORE_DISK_BYTES=%d is more than the %d bytes free under %s; "
+                "the disk tier is capped at the free space",
+                cfg.disk_bytes,
+                free,
+                os.pathsep.join(map(str, cfg.disk_dirs)),
+            )
+        try:
+            self._spill_dirs = [SpillDirectory(p) for p in cfg.disk_dirs]
+            self._engine = open_engine(tuple(d.path for d in self._spill_dirs), cfg)
+        except BaseException:
+            for d in self._spill_dirs:
+                d.remove()
+            raise
+        self._disk_cap = cap
+
+    @property
+    def spill_dirs(self) -> tuple[os.PathLike[str], ...]:
+        """The private spill directories of this store (empty without a disk tier)."""
+        return tuple(d.path for d in self._spill_dirs)
+
+    @property
+    def engine(self) -> DiskEngine | None:
+        """The disk engine, or None when the disk tier is off."""
+        return self._engine
+
+    def wrap_engine(self, wrap: Callable[[DiskEngine], DiskEngine]) -> None:
+        """Replace the disk engine by ``wrap(engine)``; tests inject faults and delays this way.
+
+        Raises:
+            RuntimeError: the store has no disk tier, or already holds tensors on disk.
+        """
+        with self._lock:
+            if self._engine is None or self._used[Tier.DISK]:
+                raise RuntimeError("wrap the engine before anything is spilled")
+            self._engine = wrap(self._engine)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _set_state(self, e: _Entry, new: TensorState) -> None:
+        """The one place an entry's state changes (Note: [One state, one table])."""
+        old = e.state
+        transition(e, new)
+        if old is S.DEVICE and e.movable:
+            self._resting[Tier.DEVICE] -= e.nbytes
+        elif old is S.HOST:
+            self._resting[Tier.HOST] -= e.nbytes
+        if new is S.DEVICE and e.movable:
+            self._resting[Tier.DEVICE] += e.nbytes
+            heapq.heappush(self._heaps[Tier.DEVICE], e.key)
+        elif new is S.HOST:
+            self._resting[Tier.HOST] += e.nbytes
+            heapq.heappush(self._heaps[Tier.HOST], e.key)
+        if (old in _WINDOW) != (new in _WINDOW):
+            self._window += e.nbytes if new in _WINDOW else -e.nbytes
+
+    def _occupy(self, tier: Tier, nbytes: int) -> None:
+        self._used[tier] += nbytes
+        self._count[tier] += 1
+        self._stats.total_entries[tier] += 1
+        self._stats.total_bytes[tier] += nbytes
+
+    def _vacate(self, tier: Tier, nbytes: int) -> None:
+        self._used[tier] -= nbytes
+        self._count[tier] -= 1
+
+    def _set_data(self, e: _Entry, t: torch.Tensor | None) -> None:
+        if e.data is not None:
+            self._vacate(Tier.DEVICE, e.nbytes)
+        if t is not None:
+            self._occupy(Tier.DEVICE, e.nbytes)
+        e.data = t
+
+    def _set_host(self, e: _Entry, t: torch.Tensor | None) -> None:
+        if e.host is not None:
+            self._vacate(Tier.HOST, e.nbytes)
+        if t is not None:
+            self._occupy(Tier.HOST, e.nbytes)
+        e.host = t
+
+    def _set_fetched(self, e: _Entry, t: torch.Tensor | None) -> None:
+        if e.fetched is not None:
+            self._vacate(Tier.DEVICE, e.nbytes)
+        if t is not None:
+            self._occupy(Tier.DEVICE, e.nbytes)
+        e.fetched = t
+
+    def _set_disk(self, e: _Entry, footprint: int) -> None:
+        if e.disk:
+            self._vacate(Tier.DISK, e.disk)
+        if footprint:
+            self._occupy(Tier.DISK, footprint)
+        e.disk = footprint
+
+    def audit(self) -> dict[str, int]:
+        """Recompute every counter from the live entries and compare (used by the tests).
+
+        Returns:
+            The recomputed bytes per tier.
+
+        Raises:
+            AssertionError: a counter disagrees with the entries.
+        """
+        with self._lock:
+            self._drain_dropped_locked()
+            used = dict.fromkeys(Tier, 0)
+            objs = set(self._entries.values()) | self._task_entries()
+            for e in objs:
+                if e.data is not None:
+                    used[Tier.DEVICE] += e.nbytes
+                if e.fetched is not None:
+                    used[Tier.DEVICE] += e.nbytes
+                if e.host is not None:
+                    used[Tier.HOST] += e.nbytes
+                used[Tier.DISK] += e.disk
+            assert used == self._used, f"tier bytes {self._used} != entries {used}"
+            resting_dev = sum(
+                e.nbytes for e in self._entries.values() if e.state is S.DEVICE and e.movable
+            )
+            resting_host = sum(e.nbytes for e in self._entries.values() if e.state is S.HOST)
+            assert self._resting == {Tier.DEVICE: resting_dev, Tier.HOST: resting_host}
+            window = sum(e.nbytes for e in self._entries.values() if e.state in _WINDOW)
+            assert window == self._window, (window, self._window)
+            assert self._live_keys == sorted(self._entries), "live key list out of order"
+            return {t.value: n for t, n in used.items()}
+
+    def _task_entries(self) -> set[_Entry]:
+        # Released entries whose I/O is still finishing hold bytes too.
+        return self._in_transit_released
+
+    # ------------------------------------------------------------------ scheduling helpers
+
+    def _spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+        """Run ``fn(*args)`` as a task on the store's loop, from any thread."""
+        if threading.get_ident() == self.loop_thread:
+            self._start_task(fn, args)
+        else:
+            self.loop.call_soon_threadsafe(self._start_task, fn, args)
+
+    def _start_task(
+        self, fn: Callable[..., Coroutine[Any, Any, None]], args: tuple[Any, ...]
+    ) -> None:
+        task = self.loop.create_task(fn(*args))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("this tierstore store is closed; create a new TieredStore")
+
+    def _on_handle_dead(self, ref: _HandleRef) -> None:
+        """Weakref callback of a handle: queue its release (Note: [Release from a finalizer])."""
+        self._dropped.append(ref.key)
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: close() drained
+                self.loop.call_soon_threadsafe(
+                    self.loop.call_later, _DRAIN_DELAY_SECONDS, self._drain_dropped
+                )
+
+    def _drain_dropped(self) -> None:
+        # Clear the flag before draining, so a handle dropped meanwhile schedules another.
+        self._drain_scheduled = False
+        with self._lock:
+            self._drain_dropped_locked()
+
+    def _drain_dropped_locked(self) -> None:
+        while self._dropped:
+            key = self._dropped.popleft()
+            e = self._entries.get(key)
+            if e is not None:
+                self._release_locked(e)
+
+    # ------------------------------------------------------------------ put
+
+    def put_now(self, t: torch.Tensor) -> tuple[TensorHandle, cf.Future[None] | None]:
+        """Store ``t``; return its handle and, under backpressure, a future to wait on.
+
+        Raises:
+            UnsupportedTensorError: ``t`` is not a plain strided CPU or CUDA tensor.
+            TierFullError: no tier has room for it.
+            StoreClosedError: the store is closed.
+        """
+        _check_tensor(t)
+        ready = ready_event(t)
+        with self._lock:
+            self._check_open()
+            self._drain_dropped_locked()
+            nbytes = t.numel() * t.element_size()
+            movable = nbytes >= self.config.min_bytes and nbytes > 0
+            if movable and nbytes > self._free_room():
+                raise TierFullError(
+                    f"no tier has room for a {nbytes}-byte {str(t.dtype).removeprefix('torch.')} "
+                    f"tensor: device {self._used[Tier.DEVICE]}/{self.config.device_bytes}, "
+                    f"host {self._used[Tier.HOST]}/{self.config.host_bytes}, "
+                    f"disk {self._used[Tier.DISK]}/{self._disk_cap} bytes used"
+                    f"{'' if self._disk_usable() else ' (disk tier unavailable after an error)'}; "
+                    "raise TIERSTORE_HOST_BYTES or TIERSTORE_DISK_BYTES, or release tensors"
+                )
+            key = next(self._keys)
+            e = _Entry(key, t, movable)
+            e.ready = ready
+            self._set_data(e, t.detach())
+            if movable:
+                self._resting[Tier.DEVICE] += nbytes
+                heapq.heappush(self._heaps[Tier.DEVICE], key)
+            self._entries[key] = e
+            self._live_keys.append(key)
+            self._stats.puts += 1
+            self._stats.bytes_put += nbytes
+            handle = TensorHandle(key, e.shape, e.dtype, e.device, nbytes, self.token)
+            ref = _HandleRef(handle, self._on_handle_dead)
+            ref.key = key
+            e.handle_ref = ref
+            self._plan_down()
+            waiter: cf.Future[None] | None = None
+            if self._semaphore_full:
+                waiter = cf.Future()
+                self._put_waiters.append(waiter)
+            return handle, waiter
+
+    def _free_room(self) -> int:
+        cfg = self.config
+        dev = max(0, cfg.device_bytes - self._resting[Tier.DEVICE])
+        host = max(0, cfg.host_bytes - self._used[Tier.HOST])
+        disk = max(0, self._disk_cap - self._used[Tier.DISK]) if self._disk_usable() else 0
+        return min(dev + host + disk, (1 << 63) - 1)
+
+    def _disk_usable(self) -> bool:
+        if self._engine is None:
+            return False
+        if self._disk_failed_at is None:
+            return True
+        if time.monotonic() - self._disk_failed_at < _DISK_RETRY_SECONDS:
+            return False
+        self._disk_failed_at = None
+        log.info("tierstore: retrying the disk tier after an earlier failure")
+        return True
+
+    # ------------------------------------------------------------------ the cascade
+
+    def _pop_oldest(self, tier: Tier, state: TensorState) -> _Entry | None:
+        heap = self._heaps[tier]
+        while heap:
+            e = self._entries.get(heap[0])
+            if e is not None and e.state is state:
+                return e
+            heapq.heappop(heap)
+        return None
+
+    def _plan_down(self) -> None:
+        """Move the oldest entries of over-full tiers down (Note: [The cascade] in docs)."""
+        cfg = self.config
+        limit = cfg.max_inflight_bytes
+        blocked = False
+        while self._resting[Tier.DEVICE] > cfg.device_bytes:
+            e = self._pop_oldest(Tier.DEVICE, S.DEVICE)
+            if e is None:
+                break
+            if e.device.type == "cpu":
+                # On the CPU the host tier holds the tensor itself: no copy, no I/O.
+                heapq.heappop(self._heaps[Tier.DEVICE])
+                assert e.data is not None
+                self._set_state(e, S.MOVING_TO_HOST)
+                self._set_host(e, compact(e.data))
+                self._set_data(e, None)
+                self._set_state(e, S.HOST)
+                continue
+            if self._inflight and self._inflight + e.nbytes > limit:
+                blocked = True
+                break
+            heapq.heappop(self._heaps[Tier.DEVICE])
+            self._set_state(e, S.MOVING_TO_HOST)
+            self._inflight += e.nbytes
+            self._spawn(self._copy_to_host, e)
+        while self._resting[Tier.HOST] > cfg.host_bytes and self._disk_usable():
+            e = self._pop_oldest(Tier.HOST, S.HOST)
+            if e is None:
+                break
+            assert self._engine is not None
+            footprint = self._engine.footprint(e.nbytes)
+            if self._used[Tier.DISK] + footprint > self._disk_cap or not self._disk_has_room(
+                footprint
+            ):
+                self._note_no_room(e)
+                break
+            if self._inflight and self._inflight + e.nbytes > limit:
+                blocked = True
+                break
+            heapq.heappop(self._heaps[Tier.HOST])
+            self._set_state(e, S.MOVING_TO_DISK)
+            self._set_disk(e, footprint)
+            self._inflight += e.nbytes
+            self._spawn(self._spill, e)
+        self._semaphore_full = blocked
+        if not blocked and self._put_waiters:
+            waiters, self._put_waiters = self._put_waiters, []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+
+    def _disk_has_room(self, footprint: int) -> bool:
+        # Other processes share the disk: check what is really free before each spill.
+        return _free_bytes(self.config.disk_dirs) >= footprint
+
+    def _note_no_room(self, e: _Entry) -> None:
+        self._stats.kept_no_room += 1
+        if not self._warned_no_room:
+            self._warned_no_room = True
+            log.warning(
+                "tierstore: the disk tier is full (%d of %d bytes); %s stays in host memory. "
+                "Raise TIERSTORE_DISK_BYTES or free disk space. (warned once)",
+                self._used[Tier.DISK],
+                self._disk_cap,
+                e.describe(),
+            )
+
+    # ------------------------------------------------------------------ downward I/O tasks
+
+    async def _copy_to_host(self, e: _Entry) -> None:
+        assert e.data is not None
+        t0 = time.perf_counter()
+        try:
+            host = await copy_to_host(e.data, e.ready)
+        except Exception as exc:
+            with self._lock:
+                self._inflight -= e.nbytes
+                log.error("tierstore: copying %s to host failed: %s", e.describe(), exc)
+                if e.state is S.RELEASED:
+                    self._free_copies(e)
+                else:
+                    self._set_state(e, S.DEVICE)
+                self._plan_down()
+            return
+        with self._lock:
+            self._inflight -= e.nbytes
+            self._stats.bytes_to_host += e.nbytes
+            self._stats.seconds_to_host += time.perf_counter() - t0
+            if e.state is S.RELEASED:
+                self._free_copies(e)
+            else:
+                self._set_host(e, host)
+                self._set_data(e, None)
+                e.ready = None
+                self._set_state(e, S.HOST)
+            self._plan_down()
+
+    async def _spill(self, e: _Entry) -> None:
+        src = e.host
+        assert src is not None and self._engine is not None
+        t0 = time.perf_counter()
+        try:
+            await self._engine.write(e.key, as_bytes(src))
+        except Exception as exc:
+            with self._lock:
+                self._inflight -= e.nbytes
+                self._stats.write_errors += 1
+                self._set_disk(e, 0)
+                self._disk_failed(e, exc)
+                if e.state is S.RELEASED:
+                    self._free_copies(e)
+                else:
+                    self._set_state(e, S.HOST)
+                self._plan_down()
+            return
+        with self._lock:
+            self._inflight -= e.nbytes
+            self._stats.bytes_to_disk += e.nbytes
+            self._stats.seconds_to_disk += time.perf_counter() - t0
+            if e.state is S.RELEASED:
+                self._free_copies(e)
+            else:
+                self._set_host(e, None)
+                self._set_state(e, S.DISK)
+            self._plan_down()
+            self._plan_prefetch()
+
+    def _disk_failed(self, e: _Entry, exc: BaseException) -> None:
+        self._disk_failed_at = time.monotonic()
+        why = errno.errorcode.get(exc.errno, "") if isinstance(exc, OSError) and exc.errno else ""
+        log.warning(
+            "tierstore: writing %s to disk failed (%s%s); it stays in memory and the disk tier "
+            "pauses for %.0fs",
+            e.describe(),
+            f"{why}: " if why else "",
+            exc,
+            _DISK_RETRY_SECONDS,
+        )
+
+    # ------------------------------------------------------------------ get and prefetch
+
+    def get_now(self, handle: TensorHandle) -> torch.Tensor | cf.Future[torch.Tensor]:
+        """The tensor if it is ready now, else a future that resolves to it.
+
+        A caller that receives a future must call :meth:`consumed` after it resolves.
+
+        Raises:
+            TensorReleasedError: the handle was released or belongs to another store.
+            CorruptTensorError: the spilled copy was found corrupt earlier.
+            StoreClosedError: the store is closed.
+        """
+        with self._lock:
+            self._check_open()
+            self._drain_dropped_locked()
+            e = self._lookup(handle)
+            self._cursor = e.key
+            result = self._get_locked(e)
+            self._plan_prefetch()
+            return result
+
+    def _get_locked(self, e: _Entry) -> torch.Tensor | cf.Future[torch.Tensor]:
+        st = self._stats
+        state = e.state
+        if state is S.FAILED:
+            assert e.error is not None
+            raise e.error
+        if state is S.FETCHED:
+            assert e.fetched is not None
+            out = e.fetched
+            self._consume_locked(e)
+            st.prefetch_hits += 1
+            st.gets += 1
+            return out
+        if state is S.FETCHING:
+            assert e.fetch_future is not None
+            st.prefetch_hits += 1
+            return e.fetch_future
+        source = e.data if e.data is not None else e.host
+        if source is not None and (source.device == e.device or e.device.type == "cpu"):
+            # Resting on its device, or on the CPU where host memory is the device, or moving
+            # down with its source still intact.
+            st.prefetch_hits += 1
+            st.gets += 1
+            return source
+        if state is S.MOVING_TO_DISK and source is not None:
+            # A CUDA tensor whose host copy is being written: copy the host copy back.
+            st.prefetch_misses += 1
+            st.gets += 1
+            return copy_to_device(source, e.device)
+        st.prefetch_misses += 1
+        return self._start_fetch(e)
+
+    def consumed(self, handle: TensorHandle, t: torch.Tensor) -> None:
+        """Record that a get which waited on a future has taken ``t``."""
+        with self._lock:
+            self._stats.gets += 1
+            e = self._entries.get(handle.key)
+            if e is not None and e.state is S.FETCHED and e.fetched is t:
+                self._consume_locked(e)
+            self._plan_prefetch()
+
+    def _consume_locked(self, e: _Entry) -> None:
+        # The caller holds the tensor now; keeping the fetched copy would pin it on the device
+        # after backward is done with it (a retain_graph run would bring everything back).
+        self._set_fetched(e, None)
+        e.fetch_future = None
+        self._set_state(e, e.home())
+
+    def _start_fetch(self, e: _Entry) -> cf.Future[torch.Tensor]:
+        self._set_state(e, S.FETCHING)
+        fut: cf.Future[torch.Tensor] = cf.Future()
+        e.fetch_future = fut
+        self._spawn(self._fetch, e)
+        return fut
+
+    def prefetch_now(self, handles: Iterable[TensorHandle]) -> None:
+        """Start bringing these entries back, newest first, within the prefetch window."""
+        with self._lock:
+            self._check_open()
+            self._drain_dropped_locked()
+            entries = sorted((self._lookup(h) for h in handles), key=lambda x: -x.key)
+            budget = self.config.prefetch_bytes - self._window
+            for e in entries:
+                if not self._needs_fetch(e):
+                    continue
+                if e.nbytes > budget:
+                    break
+                budget -= e.nbytes
+                self._start_fetch(e)
+
+    def _needs_fetch(self, e: _Entry) -> bool:
+        return e.state is S.DISK or (e.state is S.HOST and e.device.type != "cpu")
+
+    def _plan_prefetch(self) -> None:
+        """Bring back the entries just older than the cursor, newest first (LIFO)."""
+        if self._cursor is None or self._closed:
+            return
+        budget = self.config.prefetch_bytes - self._window
+        if budget <= 0:
+            return
+        i = bisect.bisect_left(self._live_keys, self._cursor) - 1
+        scanned = 0
+        while i >= 0 and scanned < _PREFETCH_SCAN_LIMIT:
+            e = self._entries[self._live_keys[i]]
+            if self._needs_fetch(e):
+                if e.nbytes > budget:
+                    break
+                budget -= e.nbytes
+                self._start_fetch(e)
+            i -= 1
+            scanned += 1
+
+    async def _fetch(self, e: _Entry) -> None:
+        fut = e.fetch_future
+        assert fut is not None
+        t0 = time.perf_counter()
+        from_disk = bool(e.disk)
+        try:
+            if from_disk:
+                assert self._engine is not None
+                buf = host_buffer(e.nbytes, pinned=e.device.type == "cuda")
+                await self._engine.read(e.key, buf)
+                t = from_bytes(buf, e.dtype, e.shape)
+            else:
+                assert e.host is not None
+                t = e.host
+            t1 = time.perf_counter()
+            out = copy_to_device(t, e.device)
+        except Exception as exc:
+            with self._lock:
+                self._fetch_failed(e, fut, exc)
+            return
+        with self._lock:
+            st = self._stats
+            if from_disk:
+                st.bytes_from_disk += e.nbytes
+                st.seconds_from_disk += t1 - t0
+            if e.device.type != "cpu":
+                st.bytes_to_device += e.nbytes
+                st.seconds_to_device += time.perf_counter() - t1
+            if e.state is S.RELEASED:
+                self._free_copies(e)
+                fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
+                self._plan_prefetch()
+                return
+            self._set_fetched(e, out)
+            self._set_state(e, S.FETCHED)
+        if not fut.done():
+            fut.set_result(out)
+
+    def _fetch_failed(self, e: _Entry, fut: cf.Future[torch.Tensor], exc: Exception) -> None:
+        self._stats.read_errors += 1
+        if e.state is S.RELEASED:
+            self._free_copies(e)
+            fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
+            return
+        if isinstance(exc, CorruptTensorError):
+            err: BaseException = CorruptTensorError(
+                f"{e.describe()}: spilled copy is corrupt: {exc}"
+            )
+            self._set_state(e, S.FAILED)
+            e.error = err
+            self._free_copies(e)
+            log.error("tierstore: %s", err)
+        else:
+            err = SpillIOError(f"reading {e.describe()} back from disk failed: {exc}")
+            err.__cause__ = exc
+            self._set_state(e, e.home())
+        e.fetch_future = None
+        if not fut.done():
+            fut.set_exception(err)
+
+    def note_get_wait(self, seconds: float) -> None:
+        with self._lock:
+            self._stats.get_wait_seconds += seconds
+
+    def note_put_wait(self, seconds: float) -> None:
+        with self._lock:
+            self._stats.put_wait_seconds += seconds
+
+    def note_skipped(self, reason: str, nbytes: int) -> None:
+        """Count a tensor an adapter chose not to store, under ``reason``."""
+        with self._lock:
+            self._stats.skipped[reason] += 1
+            self._stats.skipped_bytes[reason] += nbytes
+
+    # ------------------------------------------------------------------ release
+
+    def release(self, handle: TensorHandle) -> None:
+        """Release the handle's entry now (idempotent for handles of this store).
+
+        Raises:
+            TensorReleasedError: the handle belongs to another store.
+        """
+        with self._lock:
+            self._drain_dropped_locked()
+            if handle._released:
+                return
+            e = self._lookup(handle)
+            handle._released = True
+            self._release_locked(e)
+
+    def _release_locked(self, e: _Entry) -> None:
+        del self._entries[e.key]
+        i = bisect.bisect_left(self._live_keys, e.key)
+        del self._live_keys[i]
+        self._stats.releases += 1
+        if e.state in TERMINAL:
+            return
+        in_transit = e.state in TRANSIT
+        self._set_state(e, S.RELEASED)
+        if in_transit:
+            # The task moving it frees what it holds when the I/O ends (Note: [One state,
+            # one table]); until then its bytes still count.
+            self._in_transit_released.add(e)
+        else:
+            self._free_copies(e)
+        self._plan_prefetch()
+
+    def _free_copies(self, e: _Entry) -> None:
+        self._in_transit_released.discard(e)
+        self._set_data(e, None)
+        self._set_host(e, None)
+        self._set_fetched(e, None)
+        if e.disk:
+            self._set_disk(e, 0)
+            self._spawn(self._delete, e.key)
+        e.ready = None
+
+    async def _delete(self, key: int) -> None:
+        if self._engine is not None:
+            try:
+                await self._engine.delete(key)
+            except Exception as exc:  # the file goes at close anyway
+                log.warning("tierstore: freeing spill space of tensor #%d failed: %s", key, exc)
+
+    # ------------------------------------------------------------------ queries
+
+    def _lookup(self, handle: TensorHandle) -> _Entry:
+        if not isinstance(handle, TensorHandle):
+            raise TypeError(f"expected a TensorHandle from put(), got {type(handle).__name__}")
+        e = self._entries.get(handle.key)
+        if e is None or e.handle_ref is None or e.handle_ref() is not handle:
+            if handle._owner != self.token:
+                why = "is not in this store (another store's handle, or one made before a fork)"
+            else:
+                why = "was released"
+            raise TensorReleasedError(f"{handle!r} {why}")
+        return e
+
+    def state_of(self, handle: TensorHandle) -> TensorState:
+        """The entry's state (RELEASED once released).
+
+        Raises:
+            TensorReleasedError: another store's handle.
+        """
+        with self._lock:
+            self._drain_dropped_locked()
+            if handle._released and handle._owner == self.token:
+                return S.RELEASED
+            return self._lookup(handle).state
+
+    def tier_of(self, handle: TensorHandle) -> Tier:
+        """Where the entry's bytes are: the tier a get would read them from.
+
+        Raises:
+            TensorReleasedError: released, or another store's handle.
+            CorruptTensorError: the entry failed.
+        """
+        with self._lock:
+            self._drain_dropped_locked()
+            e = self._lookup(handle)
+            if e.state is S.FAILED:
+                assert e.error is not None
+                raise e.error
+            if e.fetched is not None or e.data is not None:
+                return Tier.DEVICE
+            if e.host is not None:
+                return Tier.HOST
+            return Tier.DISK
+
+    def stats(self) -> StoreStats:
+        """A frozen snapshot of the store."""
+        with self._lock:
+            self._drain_dropped_locked()
+            return self._snapshot_locked()
+
+    def _snapshot_locked(self) -> StoreStats:
+        st = self._stats
+        caps = {
+            Tier.DEVICE: self.config.device_bytes,
+            Tier.HOST: self.config.host_bytes,
+            Tier.DISK: self._disk_cap,
+        }
+        tiers = {
+            t: TierStats(
+                entries=self._count[t],
+                bytes=self._used[t],
+                capacity=caps[t],
+                total_entries=st.total_entries[t],
+                total_bytes=st.total_bytes[t],
+            )
+            for t in Tier
+        }
+        return StoreStats(
+            device=tiers[Tier.DEVICE],
+            host=tiers[Tier.HOST],
+            disk=tiers[Tier.DISK],
+            live_entries=len(self._entries),
+            puts=st.puts,
+            gets=st.gets,
+            releases=st.releases,
+            bytes_put=st.bytes_put,
+            bytes_to_host=st.bytes_to_host,
+            bytes_to_disk=st.bytes_to_disk,
+            bytes_from_disk=st.bytes_from_disk,
+            bytes_to_device=st.bytes_to_device,
+            seconds_to_host=st.seconds_to_host,
+            seconds_to_disk=st.seconds_to_disk,
+            seconds_from_disk=st.seconds_from_disk,
+            seconds_to_device=st.seconds_to_device,
+            get_wait_seconds=st.get_wait_seconds,
+            put_wait_seconds=st.put_wait_seconds,
+            prefetch_hits=st.prefetch_hits,
+            prefetch_misses=st.prefetch_misses,
+            inflight_bytes=self._inflight,
+            kept_no_room=st.kept_no_room,
+            skipped=dict(st.skipped),
+            skipped_bytes=dict(st.skipped_bytes),
+            write_errors=st.write_errors,
+            read_errors=st.read_errors,
+            disk_available=self._engine is not None and self._disk_failed_at is None,
+        )
+
+    # ------------------------------------------------------------------ close
+
+    def begin_close(self) -> bool:
+        """Refuse new work; return False if the store was already closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            for w in self._put_waiters:
+                if not w.done():
+                    w.set_exception(StoreClosedError("the store was closed while put waited"))
+            self._put_waiters = []
+            return True
+
+    async def finish_close(self, timeout: float) -> None:
+        """Let in-flight I/O end (cancel it after ``timeout`` seconds), then delete everything."""
+        pending = {t for t in self._tasks if t is not asyncio.current_task()}
+        if pending:
+            _done, still = await asyncio.wait(pending, timeout=timeout)
+            for t in still:
+                t.cancel()
+            if still:
+                log.warning("tierstore: cancelled %d transfers still running at close", len(still))
+                await asyncio.wait(still, timeout=timeout)
+        with self._lock:
+            summary = self._snapshot_locked().summary()
+            for e in list(self._entries.values()):
+                if e.fetch_future is not None and not e.fetch_future.done():
+                    e.fetch_future.set_exception(StoreClosedError("the store was closed"))
+                with contextlib.suppress(Exception):
+                    self._set_state(e, S.RELEASED)
+                e.data = e.host = e.fetched = None
+                e.disk = 0
+            self._entries.clear()
+            self._live_keys.clear()
+            self._in_transit_released.clear()
+        try:
+            if self._engine is not None:
+                await self._engine.close()
+        finally:
+            for d in self._spill_dirs:
+                d.remove()
+        log.info("%s", summary)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop everything without touching the parent's files or locks."""
+        self._closed = True
+        self._entries.clear()
+        for d in self._spill_dirs:
+            d.forget()
+        self._spill_dirs = []
+        self._engine = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+def _check_tensor(t: object) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise UnsupportedTensorError(f"put() takes a torch.Tensor, got {type(t).__name__}")
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        raise UnsupportedTensorError(
+            f"tensor subclass {type(t).__name__} is not supported; store its plain data "
+            "(e.g. t.as_subclass(torch.Tensor)) or keep it in memory"
+        )
+    if t.layout is not torch.strided:
+        raise UnsupportedTensorError(
+            f"{t.layout} tensors are not supported; convert with .to_dense() or keep in memory"
+        )
+    if t.is_nested:
+        raise UnsupportedTensorError("nested tensors are not supported; keep them in memory")
+    if t.is_quantized:
+        raise UnsupportedTensorError(
+            "quantized tensors are not supported; store .int_repr() and the scales instead"
+        )
+    if t.device.type not in ("cpu", "cuda"):
+        raise UnsupportedTensorError(
+            f"tensors on device {str(t.device)!r} are not supported; tierstore moves CPU and "
+            "CUDA tensors"
+        )
+
+
+def _free_bytes(dirs: Iterable[os.PathLike[str]]) -> int:
+    seen: set[int] = set()
+    free = 0
+    for d in dirs:
+        try:
+            st = os.statvfs(d)
+            dev = os.stat(d).st_dev
+        except OSError:
+            continue
+        if dev in seen:
+            continue
+        seen.add(dev)
+        free += st.f_bavail * st.f_frsize
+    return free

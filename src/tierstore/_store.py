@@ -1,0 +1,163 @@
+"""AsyncTieredStore: the asyncio API of the store."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierstore import _registry
+from tierstore._core import StoreCore
+from tierstore.config import StoreConfig
+from tierstore.errors import StoreClosedError, WrongThreadError
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from tierstore._handle import TensorHandle
+    from tierstore._state import TensorState, Tier
+    from tierstore._stats import StoreStats
+
+__all__ = ["AsyncTieredStore", "resolve_config"]
+
+
+def resolve_config(config: StoreConfig | None, overrides: dict[str, object]) -> StoreConfig:
+    """``config`` with ``overrides`` applied, or the environment with them when None."""
+    if config is None:
+        return StoreConfig.from_env(**overrides)
+    return config.replace(**overrides) if overrides else config
+
+
+class AsyncTieredStore:
+    """The tiered store as coroutines, bound to the event loop it is first used on.
+
+    Example:
+        >>> async def main():
+        ...     async with AsyncTieredStore(host_bytes="64MiB") as store:
+        ...         h = await store.put(torch.ones(1 << 20))
+        ...         return (await store.get(h)).sum().item()
+
+    Args:
+        config: a :class:`StoreConfig`; by default read from the ``TIERSTORE_*`` environment.
+        close_timeout: seconds :meth:`close` lets transfers finish before cancelling them
+            (default 60).
+        **overrides: fields of :class:`StoreConfig` (``host_bytes="64MiB"``, ...); they win.
+
+    Raises:
+        ConfigError: a bad configuration value, named with its variable.
+    """
+
+    def __init__(
+        self, config: StoreConfig | None = None, *, close_timeout: float = 60.0, **overrides: object
+    ) -> None:
+        self.config = resolve_config(config, overrides)
+        self._close_timeout = close_timeout
+        self._core: StoreCore | None = None
+        self._closed = False
+
+    def _bound(self) -> StoreCore:
+        loop = asyncio.get_running_loop()
+        core = self._core
+        if core is None:
+            if self._closed:
+                raise StoreClosedError("this AsyncTieredStore is closed; create a new one")
+            core = self._core = StoreCore(self.config, loop, threading.get_ident())
+            _registry.register(self)
+        elif core.loop is not loop:
+            raise WrongThreadError(
+                "this AsyncTieredStore belongs to the event loop it was opened on; use it "
+                "there, or use TieredStore, which any thread may call"
+            )
+        return core
+
+    async def open(self) -> AsyncTieredStore:
+        """Create the spill directory and bind to the running loop (done by the first call)."""
+        self._bound()
+        return self
+
+    async def __aenter__(self) -> AsyncTieredStore:
+        return await self.open()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def put(self, t: torch.Tensor) -> TensorHandle:
+        """Store ``t``; see :meth:`tierstore.TieredStore.put`."""
+        core = self._bound()
+        handle, waiter = core.put_now(t)
+        if waiter is not None:
+            t0 = time.perf_counter()
+            await asyncio.shield(asyncio.wrap_future(waiter))
+            core.note_put_wait(time.perf_counter() - t0)
+        return handle
+
+    async def get(self, handle: TensorHandle) -> torch.Tensor:
+        """The tensor, back on its device; see :meth:`tierstore.TieredStore.get`."""
+        core = self._bound()
+        ready = core.get_now(handle)
+        if isinstance(ready, torch.Tensor):
+            return ready
+        t0 = time.perf_counter()
+        t = await asyncio.shield(asyncio.wrap_future(ready))
+        core.note_get_wait(time.perf_counter() - t0)
+        core.consumed(handle, t)
+        return t
+
+    async def prefetch(self, handles: Iterable[TensorHandle]) -> None:
+        """Start bringing these tensors closer, newest first, within the prefetch window."""
+        self._bound().prefetch_now(handles)
+
+    async def release(self, handle: TensorHandle) -> None:
+        """Free the entry now instead of when the handle is garbage-collected."""
+        self._bound().release(handle)
+
+    async def tier_of(self, handle: TensorHandle) -> Tier:
+        """Where the tensor's bytes are now."""
+        return self._bound().tier_of(handle)
+
+    async def state_of(self, handle: TensorHandle) -> TensorState:
+        """The entry's :class:`~tierstore.TensorState`."""
+        return self._bound().state_of(handle)
+
+    async def stats(self) -> StoreStats:
+        """A frozen :class:`~tierstore.StoreStats` snapshot."""
+        return self._bound().stats()
+
+    def note_skipped(self, reason: str, nbytes: int) -> None:
+        """Count a tensor an adapter chose not to store (shows in ``stats().skipped``)."""
+        if self._core is not None:
+            self._core.note_skipped(reason, nbytes)
+
+    async def close(self) -> None:
+        """Finish or cancel transfers, delete the spill directory; idempotent."""
+        self._closed = True
+        core = self._core
+        if core is not None and core.begin_close():
+            await core.finish_close(self._close_timeout)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    def _close_at_exit(self) -> None:
+        # The loop may be gone at exit; removing the files needs no loop.
+        core = self._core
+        if core is not None and core.begin_close():
+            for d in core._spill_dirs:
+                d.remove()
+
+    def _reset_after_fork(self) -> None:
+        if self._core is not None:
+            self._core.forget_after_fork()
+        self._core = None
+        self._closed = True

@@ -1,0 +1,269 @@
+"""TieredStore: the synchronous facade, callable from any thread.
+
+It owns one event loop on a background thread, which runs every transfer. Operations that can
+finish at once (a put with room, a get of a tensor that is back) run in the caller's thread
+(Note: [Threading model] in ``_core.py``); the rest wait on the loop's results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import os
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from tierstore import _registry
+from tierstore._core import StoreCore
+from tierstore._store import resolve_config
+from tierstore.errors import StoreClosedError, StoreTimeoutError, WrongThreadError
+
+if TYPE_CHECKING:
+    from pathlib import Path
+    from types import TracebackType
+
+    from tierstore._handle import TensorHandle
+    from tierstore._state import TensorState, Tier
+    from tierstore._stats import StoreStats
+    from tierstore.config import StoreConfig
+
+__all__ = ["TieredStore", "default_store"]
+
+T = TypeVar("T")
+
+
+class TieredStore:
+    """A tiered tensor store: device, host memory, then disk.
+
+    Example:
+        >>> with TieredStore(host_bytes="64MiB") as store:
+        ...     h = store.put(torch.ones(1 << 20))
+        ...     store.get(h).sum().item()
+        1048576.0
+
+    Args:
+        config: a :class:`~tierstore.StoreConfig`; by default read from ``TIERSTORE_*``.
+        timeout: seconds a blocking call waits before raising ``StoreTimeoutError``
+            (default 300; ``None`` waits forever).
+        **overrides: fields of :class:`~tierstore.StoreConfig`; they win over the environment.
+
+    Raises:
+        ConfigError: a bad configuration value, named with its variable.
+
+    Every method may be called from any thread except the store's own loop thread (that would
+    deadlock and raises ``WrongThreadError``). The store closes at interpreter exit, and after
+    ``os.fork`` the child gets a fresh, empty store under the same object.
+    """
+
+    def __init__(
+        self,
+        config: StoreConfig | None = None,
+        *,
+        timeout: float | None = 300.0,
+        **overrides: object,
+    ) -> None:
+        self.config = resolve_config(config, overrides)
+        self._timeout = timeout
+        self._close_timeout = 60.0 if timeout is None else timeout
+        self._closed = False
+        self._start_lock = threading.Lock()
+        self._core: StoreCore | None = None
+        self._thread: threading.Thread | None = None
+        self._start()
+        _registry.register(self)
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _start(self) -> None:
+        loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(started.set)
+            try:
+                loop.run_forever()
+            finally:
+                loop.close()
+
+        thread = threading.Thread(target=run, name="tierstore-loop", daemon=True)
+        thread.start()
+        started.wait()
+        assert thread.ident is not None
+        try:
+            self._core = StoreCore(self.config, loop, thread.ident)
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join()
+            raise
+        self._thread = thread
+        self._pid = os.getpid()
+
+    def _live(self) -> StoreCore:
+        core = self._core
+        if core is None or self._closed:
+            raise StoreClosedError("this TieredStore is closed; create a new one")
+        if threading.get_ident() == core.loop_thread:
+            raise WrongThreadError(
+                "TieredStore was called from its own event-loop thread, which would deadlock; "
+                "call it from another thread, or use AsyncTieredStore inside coroutines"
+            )
+        return core
+
+    def _wait(self, fut: cf.Future[T], what: str) -> T:
+        try:
+            return fut.result(timeout=self._timeout)
+        except cf.TimeoutError:
+            raise StoreTimeoutError(
+                f"{what} waited more than {self._timeout}s; the disk may be stuck. Pass "
+                "TieredStore(timeout=...) to wait longer"
+            ) from None
+
+    # ------------------------------------------------------------------ operations
+
+    def put(self, t: torch.Tensor) -> TensorHandle:
+        """Store ``t`` and return a handle at once; wait only when the save semaphore is full.
+
+        The store keeps ``t`` (or a copy) until the handle is released; do not modify ``t`` in
+        place afterwards. Tensors smaller than ``min_bytes`` stay where they are.
+
+        Raises:
+            UnsupportedTensorError: not a plain strided CPU or CUDA tensor.
+            TierFullError: no tier has room; nothing was stored.
+            StoreClosedError: the store is closed.
+        """
+        core = self._live()
+        handle, waiter = core.put_now(t)
+        if waiter is not None:
+            t0 = time.perf_counter()
+            self._wait(waiter, "put")
+            core.note_put_wait(time.perf_counter() - t0)
+        return handle
+
+    def get(self, handle: TensorHandle) -> torch.Tensor:
+        """The tensor back on its own device, bit-exact; repeatable until release.
+
+        Treat the result as read-only: on the CPU it may be the very tensor the store holds.
+
+        Raises:
+            TensorReleasedError: the handle was released or is another store's.
+            SpillIOError: reading it back failed (the entry stays on disk; retry may work).
+            CorruptTensorError: its spilled bytes failed their checksum.
+            StoreTimeoutError: waited longer than ``timeout``.
+        """
+        core = self._live()
+        ready = core.get_now(handle)
+        if isinstance(ready, torch.Tensor):
+            return ready
+        t0 = time.perf_counter()
+        t = self._wait(ready, f"get of {handle!r}")
+        core.note_get_wait(time.perf_counter() - t0)
+        core.consumed(handle, t)
+        return t
+
+    def prefetch(self, handles: Iterable[TensorHandle]) -> None:
+        """Start bringing these tensors back toward their device, newest first."""
+        self._live().prefetch_now(handles)
+
+    def release(self, handle: TensorHandle) -> None:
+        """Free the entry now (also happens when the last reference to the handle goes)."""
+        self._live().release(handle)
+
+    def tier_of(self, handle: TensorHandle) -> Tier:
+        """``Tier.DEVICE``, ``Tier.HOST`` or ``Tier.DISK``: where the bytes are now."""
+        return self._live().tier_of(handle)
+
+    def state_of(self, handle: TensorHandle) -> TensorState:
+        """The entry's :class:`~tierstore.TensorState`."""
+        return self._live().state_of(handle)
+
+    def stats(self) -> StoreStats:
+        """A frozen snapshot: bytes and counts per tier, bytes moved, time spent, waits."""
+        return self._live().stats()
+
+    def note_skipped(self, reason: str, nbytes: int) -> None:
+        """Count a tensor an adapter chose not to store (shows in ``stats().skipped``)."""
+        self._live().note_skipped(reason, nbytes)
+
+    @property
+    def spill_dirs(self) -> tuple[Path, ...]:
+        """This store's private spill directories (empty when the disk tier is off)."""
+        core = self._core
+        return tuple(core.spill_dirs) if core is not None else ()  # type: ignore[arg-type]
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Let transfers finish, delete every spill file and the directory; idempotent."""
+        with self._start_lock:
+            if self._closed:
+                return
+            self._closed = True
+            core, thread = self._core, self._thread
+        if core is None or thread is None:
+            return
+        if threading.get_ident() == core.loop_thread:
+            raise WrongThreadError("TieredStore.close() called from its own loop thread")
+        try:
+            if core.begin_close():
+                done = asyncio.run_coroutine_threadsafe(
+                    core.finish_close(self._close_timeout), core.loop
+                )
+                done.result(timeout=2 * self._close_timeout + 5)
+        finally:
+            core.loop.call_soon_threadsafe(core.loop.stop)
+            thread.join(timeout=5)
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _close_at_exit(self) -> None:
+        self.close()
+
+    def _reset_after_fork(self) -> None:
+        # The loop thread did not survive the fork. The parent's entries and spill files stay
+        # the parent's: the child forgets them and starts empty, with its own directory.
+        if self._core is not None:
+            self._core.forget_after_fork()
+        self._core = None
+        self._thread = None
+        self._start_lock = threading.Lock()
+        if not self._closed:
+            self._start()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"TieredStore({state}, dirs={[str(p) for p in self.spill_dirs]})"
+
+
+_default: TieredStore | None = None
+_default_lock = threading.Lock()
+
+
+def default_store() -> TieredStore:
+    """The process-wide store built from the environment (what ``store=None`` means).
+
+    It is created on first use and again after it was closed.
+    """
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = TieredStore()
+        return _default

@@ -1,0 +1,170 @@
+"""StoreConfig: units, overrides, and a clear ConfigError for every bad value."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from tierstore import ConfigError, StoreConfig
+from tierstore.config import parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4096", 4096),
+        ("0", 0),
+        ("1KB", 1000),
+        ("1kb", 1000),
+        ("2 MB", 2_000_000),
+        ("1GB", 10**9),
+        ("1KiB", 1024),
+        ("64MiB", 64 << 20),
+        ("64mib", 64 << 20),
+        ("1.5GiB", 3 << 29),
+        ("3TiB", 3 << 40),
+        ("7B", 7),
+        ("unlimited", (1 << 63) - 1),
+        (123, 123),
+    ],
+)
+def test_sizes_accept_units(text: str | int, expected: int) -> None:
+    assert parse_size(text, name="X") == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("-1", "negative"),
+        ("-5MiB", "negative"),
+        ("12 furlongs", "unknown unit 'furlongs'"),
+        ("MiB", "not a byte size"),
+        ("", "not a byte size"),
+        ("1.5B", "whole number"),
+        ("99999999999TiB", "larger than 2**63-1"),
+        ("0x10", "not a byte size"),
+        ("1e9", "not a byte size"),
+    ],
+)
+def test_bad_sizes_name_the_variable_and_value(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.from_env({"TIERSTORE_HOST_BYTES": text})
+    msg = str(info.value)
+    assert msg.startswith(f"TIERSTORE_HOST_BYTES={text!r}")
+    assert fragment in msg
+
+
+# One bad value for every variable DESIGN.md lists, each named in the error.
+BAD_VALUES = {
+    "TIERSTORE_DEVICE_BYTES": "lots",
+    "TIERSTORE_HOST_BYTES": "-64MiB",
+    "TIERSTORE_DISK_BYTES": "10 parsecs",
+    "TIERSTORE_DISK_DIR": "",
+    "TIERSTORE_MIN_BYTES": "1.25",
+    "TIERSTORE_PREFETCH_BYTES": "99999999999999TiB",
+    "TIERSTORE_MAX_INFLIGHT_BYTES": "0",
+    "TIERSTORE_IO_THREADS": "zero",
+    "TIERSTORE_IO_CHUNK_BYTES": "5000",
+    "TIERSTORE_DIRECT_IO": "sometimes",
+    "TIERSTORE_DISK_FORMAT": "hdf5",
+    "TIERSTORE_CHECKSUM": "md5",
+}
+
+
+@pytest.mark.parametrize(("var", "value"), sorted(BAD_VALUES.items()))
+def test_every_variable_rejects_a_bad_value(var: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=var) as info:
+        StoreConfig.from_env({var: value})
+    assert repr(value) in str(info.value) or value in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_every_field_has_a_variable_tested() -> None:
+    names = {
+        "TIERSTORE_DISK_DIR" if f.name == "disk_dirs" else f"TIERSTORE_{f.name.upper()}"
+        for f in dataclasses.fields(StoreConfig)
+    }
+    assert names == set(BAD_VALUES)
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("TIERSTORE_IO_THREADS", "0"),
+        ("TIERSTORE_IO_THREADS", "100000"),
+        ("TIERSTORE_IO_CHUNK_BYTES", "2GiB"),
+        ("TIERSTORE_IO_CHUNK_BYTES", "1KiB"),
+    ],
+)
+def test_numbers_out_of_range(var: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=var):
+        StoreConfig.from_env({var: value})
+
+
+def test_environment_read_and_overrides_win(tmp_path: Path) -> None:
+    env = {
+        "TIERSTORE_DEVICE_BYTES": "1MiB",
+        "TIERSTORE_HOST_BYTES": "64MiB",
+        "TIERSTORE_DISK_BYTES": "1GB",
+        "TIERSTORE_DISK_DIR": f"{tmp_path}/a:{tmp_path}/b",
+        "TIERSTORE_MIN_BYTES": "4KiB",
+        "TIERSTORE_PREFETCH_BYTES": "32MiB",
+        "TIERSTORE_MAX_INFLIGHT_BYTES": "16MiB",
+        "TIERSTORE_IO_THREADS": "8",
+        "TIERSTORE_IO_CHUNK_BYTES": "4MiB",
+        "TIERSTORE_DIRECT_IO": "OFF",
+        "TIERSTORE_DISK_FORMAT": "zarr",
+        "TIERSTORE_CHECKSUM": "none",
+    }
+    cfg = StoreConfig.from_env(env)
+    assert cfg.device_bytes == 1 << 20
+    assert cfg.host_bytes == 64 << 20
+    assert cfg.disk_bytes == 10**9
+    assert cfg.disk_dirs == (tmp_path / "a", tmp_path / "b")
+    assert cfg.min_bytes == 4096
+    assert cfg.prefetch_bytes == 32 << 20
+    assert cfg.max_inflight_bytes == 16 << 20
+    assert cfg.io_threads == 8
+    assert cfg.io_chunk_bytes == 4 << 20
+    assert cfg.direct_io == "off"
+    assert cfg.disk_format == "zarr"
+    assert cfg.checksum == "none"
+
+    over = StoreConfig.from_env(env, host_bytes="1GiB", io_threads=2, disk_dir=str(tmp_path))
+    assert over.host_bytes == 1 << 30
+    assert over.io_threads == 2
+    assert over.disk_dirs == (tmp_path,)
+    assert over.device_bytes == 1 << 20  # untouched variables still come from the environment
+
+
+def test_bad_override_names_the_keyword() -> None:
+    with pytest.raises(ConfigError, match=r"host_bytes='lots'"):
+        StoreConfig.from_env({}, host_bytes="lots")
+    with pytest.raises(ConfigError, match="unknown setting"):
+        StoreConfig.from_env({}, hostbytes="1GiB")
+
+
+def test_unknown_variable_is_a_typo_not_silence() -> None:
+    with pytest.raises(ConfigError, match="TIERSTORE_HOST_BYTE="):
+        StoreConfig.from_env({"TIERSTORE_HOST_BYTE": "1GiB"})
+
+
+def test_defaults_are_sane() -> None:
+    cfg = StoreConfig.from_env({})
+    assert cfg.device_bytes == 0
+    assert cfg.host_bytes > 0
+    assert cfg.disk_bytes is None
+    assert cfg.min_bytes == 1 << 20
+    assert cfg.io_chunk_bytes % 4096 == 0
+    assert cfg.direct_io == "auto" and cfg.disk_format == "raw"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.host_bytes = 1  # type: ignore[misc]
+
+
+def test_replace_parses_like_overrides() -> None:
+    cfg = StoreConfig.from_env({}).replace(host_bytes="2KiB")
+    assert cfg.host_bytes == 2048
+    with pytest.raises(ConfigError, match="io_threads"):
+        cfg.replace(io_threads=-1)

@@ -1,0 +1,168 @@
+"""Whole-process behaviour: crashes, exit, fork, and the 1 GiB spill with a 64 MiB host tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import tierstore
+from tierstore._spilldir import PREFIX, sweep_stale
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _python(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> str:
+    full_env = {**os.environ, "PYTHONPATH": SRC, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_sigkill_leaves_a_directory_that_the_next_start_removes(disk_dir: Path) -> None:
+    code = f"""
+        import sys, torch, tierstore
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
+                                      min_bytes=0)
+        hs = [store.put(torch.randn(1 << 18)) for _ in range(8)]
+        while store.stats().inflight_bytes:
+            pass
+        print(store.spill_dirs[0], flush=True)
+        sys.stdin.read()  # hold the tensors until killed
+    """
+    with subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": SRC},
+        text=True,
+    ) as proc:
+        assert proc.stdout is not None
+        spill = Path(proc.stdout.readline().strip())
+        assert spill.is_dir() and len(list(spill.iterdir())) > 1
+        # While the process lives, its directory is locked and nobody removes it.
+        assert sweep_stale(disk_dir) == [] and spill.is_dir()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert spill.is_dir(), "a SIGKILLed process cannot clean up; the next start must"
+    store = tierstore.TieredStore(disk_dir=disk_dir)
+    try:
+        assert not spill.exists()
+        assert [p.name.startswith(PREFIX) for p in disk_dir.iterdir()] == [True]  # only ours
+    finally:
+        store.close()
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_directories_of_other_users_and_foreign_names_are_left_alone(disk_dir: Path) -> None:
+    foreign = disk_dir / "not-ours"
+    foreign.mkdir()
+    half_made = disk_dir / f"{PREFIX}999999999-deadbeef"  # no lock file, PID gone
+    half_made.mkdir()
+    removed = sweep_stale(disk_dir)
+    assert removed == [half_made]
+    assert foreign.is_dir()
+
+
+def test_exit_without_close_removes_the_directory(disk_dir: Path) -> None:
+    _python(f"""
+        import torch, tierstore
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
+                                      min_bytes=0)
+        hs = [store.put(torch.randn(1 << 18)) for _ in range(16)]
+        # exit with writes possibly still in flight and the store open
+    """)
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_store_stays_usable_after_fork(disk_dir: Path) -> None:
+    out = _python(f"""
+        import os, torch, tierstore
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
+                                      min_bytes=0)
+        parent_h = store.put(torch.arange(1000.0))
+        parent_dir = store.spill_dirs[0]
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                h = store.put(torch.full((1 << 16,), 7.0))
+                assert torch.equal(store.get(h), torch.full((1 << 16,), 7.0))
+                try:
+                    store.get(parent_h)
+                    code = 3
+                except tierstore.TensorReleasedError as exc:
+                    assert "fork" in str(exc)
+                assert store.spill_dirs[0] != parent_dir
+                store.close()
+            except BaseException as exc:
+                print("child failed", repr(exc), flush=True)
+                code = 2
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        assert torch.equal(store.get(parent_h), torch.arange(1000.0))
+        print("parent dir alive", parent_dir.is_dir())
+        store.close()
+    """)
+    assert "child 0" in out and "parent dir alive True" in out, out
+    assert list(disk_dir.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_one_gib_through_a_64_mib_host_tier(disk_dir: Path) -> None:
+    """The acceptance run of the core issue, in its own process so RSS is its own."""
+    out = _python(
+        f"""
+        import json, os, resource, torch, tierstore
+        from pathlib import Path
+        MiB = 1 << 20
+        n, size = 64, 16 * MiB                       # 1 GiB in 16 MiB tensors
+        def tensor(i):
+            g = torch.Generator().manual_seed(i)
+            return torch.randn(size // 4, generator=g)
+        tensor(0)
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0,
+                                      host_bytes="64MiB", max_inflight_bytes="64MiB",
+                                      prefetch_bytes="64MiB", min_bytes=0)
+        hs = [store.put(tensor(i)) for i in range(n)]
+        while store.stats().inflight_bytes:
+            pass
+        tiers = [store.tier_of(h).value for h in hs]
+        spill = store.spill_dirs[0]
+        on_disk = sum(p.stat().st_blocks * 512 for p in Path(spill).rglob("*") if p.is_file())
+        exact = True
+        for i in reversed(range(n)):
+            exact &= torch.equal(store.get(hs[i]), tensor(i))
+            hs.pop()
+        st = store.stats()
+        store.close()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(json.dumps(dict(tiers=tiers, on_disk=on_disk, exact=exact, grew=peak - base,
+                              left=os.listdir({str(disk_dir)!r}), hits=st.prefetch_hits,
+                              misses=st.prefetch_misses, live=st.live_entries)))
+    """,
+        timeout=300,
+    )
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["tiers"].count("disk") >= 60 and r["tiers"][-1] == "host"
+    assert r["on_disk"] >= 60 * 16 << 20
+    assert r["exact"] is True
+    assert r["grew"] < 400 << 20, f"peak RSS grew by {r['grew'] >> 20} MiB for 1 GiB pushed"
+    assert r["left"] == []
+    assert r["live"] == 0
+    assert r["misses"] <= 2

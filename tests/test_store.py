@@ -1,0 +1,532 @@
+"""TieredStore end to end on real files: tiers, cascade, prefetch, semaphore, lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tierstore
+from tierstore import (
+    StoreClosedError,
+    TensorReleasedError,
+    TensorState,
+    Tier,
+    TieredStore,
+    TierFullError,
+    UnsupportedTensorError,
+    WrongThreadError,
+)
+from tierstore.tiers import DiskEngine
+
+MiB = 1 << 20
+MakeStore = Callable[..., TieredStore]
+
+
+def _cpu_dtypes() -> list[torch.dtype]:
+    names = [
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "complex64",
+        "complex128",
+        "complex32",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    ]
+    return [getattr(torch, n) for n in names if hasattr(torch, n)]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random bytes reinterpreted as ``dtype``: every bit pattern, NaNs included."""
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for s in shape:
+        n *= s
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=g)
+    if dtype is torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality, so NaN payloads and -0.0 count."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+@pytest.mark.parametrize("dtype", _cpu_dtypes(), ids=str)
+def test_every_dtype_round_trips_bit_exact_in_every_tier(
+    make_store: MakeStore, dtype: torch.dtype, tier: str
+) -> None:
+    caps = {"device": ("unlimited", "0"), "host": ("0", "unlimited"), "disk": ("0", "0")}[tier]
+    store = make_store(device_bytes=caps[0], host_bytes=caps[1])
+    t = _random((3, 5, 7), dtype, seed=_cpu_dtypes().index(dtype))
+    h = store.put(t)
+    _wait_for(lambda: store.state_of(h) in (TensorState.DEVICE, TensorState.HOST, TensorState.DISK))
+    assert store.tier_of(h) is Tier(tier)
+    for _ in range(2):  # get repeats until release
+        out = store.get(h)
+        assert _same_bits(out, t)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_views_noncontiguous_zero_size_and_scalars(make_store: MakeStore, tier: str) -> None:
+    store = make_store(device_bytes=0, host_bytes="unlimited" if tier == "host" else 0)
+    base = _random((64, 48), torch.float32, seed=1)
+    cases = {
+        "transpose": base.t(),
+        "slice": base[3:40:3, 5:],
+        "expand": torch.arange(6.0).reshape(6, 1).expand(6, 9),
+        "narrow_view": base.narrow(0, 10, 4),
+        "zero_size": torch.empty(0, 4, dtype=torch.bfloat16),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "conj": torch.randn(5, dtype=torch.complex64).conj(),
+        "neg_bit": torch.randn(4, dtype=torch.complex64).conj().imag,
+    }
+    handles = {k: store.put(v) for k, v in cases.items()}
+    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    if tier == "disk":
+        tiers = {k: store.tier_of(h) for k, h in handles.items()}
+        assert tiers.pop("zero_size") is Tier.DEVICE  # nothing to move
+        assert set(tiers.values()) == {Tier.DISK}, tiers
+    for name, h in handles.items():
+        out = store.get(h)
+        expected = cases[name].resolve_conj().resolve_neg()
+        assert _same_bits(out, expected), name
+
+
+def test_host_tier_on_cpu_holds_the_tensor_itself(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes="unlimited")
+    t = torch.randn(MiB // 4)
+    h = store.put(t)
+    assert store.tier_of(h) is Tier.HOST
+    assert store.get(h).data_ptr() == t.data_ptr()  # no copy
+
+
+def test_a_view_does_not_keep_its_base_alive(make_store: MakeStore) -> None:
+    # DESIGN invariant 2: once moved, the store holds a compact copy, not the padded base.
+    store = make_store(device_bytes=0, host_bytes="unlimited")
+    base = torch.randn(4 * MiB)
+    ref = base.untyped_storage()._weak_ref()
+    view = base[:1000]
+    h = store.put(view)
+    del base, view
+    gc.collect()
+    assert torch.UntypedStorage._expired(ref), "the base storage outlived the view"
+    assert store.get(h).numel() == 1000
+    torch.UntypedStorage._free_weak_ref(ref)
+
+
+# --------------------------------------------------------------------------- tiers and cascade
+
+
+def test_cascade_keeps_newest_in_fastest_tier(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=2 * MiB, host_bytes=2 * MiB, prefetch_bytes=0)
+    hs = [store.put(torch.full((MiB // 4,), float(i))) for i in range(6)]  # 1 MiB each
+    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    tiers = [store.tier_of(h) for h in hs]
+    assert tiers == [Tier.DISK, Tier.DISK, Tier.HOST, Tier.HOST, Tier.DEVICE, Tier.DEVICE]
+    st = store.stats()
+    assert (st.device.bytes, st.host.bytes) == (2 * MiB, 2 * MiB)
+    assert st.disk.entries == 2 and st.disk.bytes >= 2 * MiB
+    for i, h in enumerate(hs):
+        assert store.get(h)[0].item() == float(i)
+    store._core.audit()
+
+
+def test_small_tensors_stay_put(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0, min_bytes="64KiB")
+    small, big = store.put(torch.ones(100)), store.put(torch.ones(MiB // 4))
+    _wait_for(lambda: store.tier_of(big) is Tier.DISK)
+    assert store.tier_of(small) is Tier.DEVICE
+
+
+def test_spilled_bytes_are_really_in_the_spill_directory(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    hs = [store.put(torch.randn(MiB // 4)) for _ in range(4)]
+    _wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs))
+    (spill,) = store.spill_dirs
+    on_disk = sum(p.stat().st_blocks * 512 for p in Path(spill).rglob("*") if p.is_file())
+    assert on_disk >= 4 * MiB
+    assert oct(Path(spill).stat().st_mode & 0o777) == "0o700"
+
+
+def test_tier_full_raises_and_drops_nothing(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=2 * MiB, disk_bytes=0)
+    a = store.put(torch.ones(MiB // 4))
+    b = store.put(torch.ones(MiB // 4))
+    with pytest.raises(TierFullError, match="no tier has room"):
+        store.put(torch.ones(MiB // 4))
+    assert store.stats().live_entries == 2
+    assert store.get(a).sum().item() == store.get(b).sum().item() == MiB // 4
+
+
+def test_unsupported_tensors_are_refused_clearly(make_store: MakeStore) -> None:
+    store = make_store()
+    with pytest.raises(UnsupportedTensorError, match="sparse"):
+        store.put(torch.eye(3).to_sparse())
+    with pytest.raises(UnsupportedTensorError, match="meta"):
+        store.put(torch.empty(3, device="meta"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates building quantized tensors
+        quantized = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8)
+    with pytest.raises(UnsupportedTensorError, match="quantized"):
+        store.put(quantized)
+    with pytest.raises(UnsupportedTensorError, match=r"torch\.Tensor"):
+        store.put([1, 2, 3])  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch calls nested tensors a prototype
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(UnsupportedTensorError, match="nested"):
+        store.put(nested)
+    assert store.stats().live_entries == 0
+
+
+def test_parameters_are_stored_as_plain_data(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    p = torch.nn.Parameter(torch.randn(1000))
+    h = store.put(p)
+    out = store.get(h)
+    assert type(out) is torch.Tensor and not out.requires_grad
+    assert torch.equal(out, p.detach())
+
+
+# --------------------------------------------------------------------------- prefetch
+
+
+def test_backward_order_sweep_mostly_hits(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=MiB, prefetch_bytes=8 * MiB)
+    ts = [torch.randn(MiB // 4) for _ in range(40)]
+    hs = [store.put(t) for t in ts]
+    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    for h, t in zip(reversed(hs), reversed(ts), strict=False):
+        assert torch.equal(store.get(h), t)
+    st = store.stats()
+    assert st.prefetch_hits + st.prefetch_misses == 40
+    assert st.prefetch_misses <= 2, st
+    assert st.bytes_from_disk >= 38 * MiB
+
+
+def test_prefetch_window_is_respected(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=3 * MiB)
+    hs = [store.put(torch.randn(MiB // 4)) for _ in range(10)]
+    _wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs))
+    store.prefetch(hs)
+    _wait_for(lambda: store.state_of(hs[-1]) is TensorState.FETCHED)
+    states = [store.state_of(h) for h in hs]
+    fetched = [i for i, s in enumerate(states) if s in (TensorState.FETCHED, TensorState.FETCHING)]
+    assert fetched == [7, 8, 9], states  # newest first, 3 MiB of window
+    store._core.audit()
+    # Consuming one frees room for the next older one.
+    store.get(hs[9])
+    _wait_for(lambda: store.state_of(hs[6]) in (TensorState.FETCHED, TensorState.FETCHING))
+    assert store.state_of(hs[9]) is TensorState.DISK
+
+
+# --------------------------------------------------------------------------- save semaphore
+
+
+class GatedEngine(DiskEngine):
+    """Wraps an engine; writes wait for a gate, and the peak of bytes in flight is recorded."""
+
+    name = "gated"
+
+    def __init__(self, inner: DiskEngine) -> None:
+        super().__init__(inner.directories, inner.config)
+        self.inner = inner
+        self.gate = threading.Event()
+        self.inflight = 0
+        self.peak = 0
+        self.lock = threading.Lock()
+
+    def footprint(self, nbytes: int) -> int:
+        return self.inner.footprint(nbytes)
+
+    async def write(self, key: int, src: torch.Tensor) -> None:
+        with self.lock:
+            self.inflight += src.numel()
+            self.peak = max(self.peak, self.inflight)
+        try:
+            while not self.gate.is_set():
+                await asyncio.sleep(0.002)
+            await self.inner.write(key, src)
+        finally:
+            with self.lock:
+                self.inflight -= src.numel()
+
+    async def read(self, key: int, out: torch.Tensor) -> None:
+        await self.inner.read(key, out)
+
+    async def delete(self, key: int) -> None:
+        await self.inner.delete(key)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def test_put_waits_when_the_save_semaphore_is_full(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0, max_inflight_bytes=2 * MiB)
+    gated: list[GatedEngine] = []
+    store._core.wrap_engine(lambda e: gated.append(GatedEngine(e)) or gated[0])
+    engine = gated[0]
+    done = threading.Event()
+    handles: list[Any] = []
+
+    def producer() -> None:
+        for _ in range(6):
+            handles.append(store.put(torch.randn(MiB // 4)))
+        done.set()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    _wait_for(lambda: engine.inflight == 2 * MiB)
+    time.sleep(0.1)
+    assert not done.is_set(), "put did not wait although 2 MiB were in flight"
+    assert len(handles) <= 3
+    assert store.stats().inflight_bytes <= 2 * MiB
+    engine.gate.set()
+    thread.join(10)
+    assert done.is_set()
+    assert engine.peak <= 2 * MiB
+    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    assert all(store.tier_of(h) is Tier.DISK for h in handles)
+    assert store.stats().put_wait_seconds > 0.05
+
+
+# --------------------------------------------------------------------------- lifetime
+
+
+def test_entry_lives_exactly_as_long_as_its_handle(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    h = store.put(torch.randn(MiB // 4))
+    _wait_for(lambda: store.stats().disk.entries == 1 and store.stats().inflight_bytes == 0)
+    assert store.tier_of(h) is Tier.DISK
+    (spill,) = store.spill_dirs
+    assert store.stats().live_entries == 1
+    del h
+    gc.collect()
+    st = store.stats()
+    assert st.live_entries == 0 and st.disk.bytes == 0 and st.releases == 1
+    store._core.audit()
+    _wait_for(lambda: not [p for p in Path(spill).iterdir() if p.name.endswith(".bin")])
+
+
+def test_store_keeps_no_strong_reference_to_handles(make_store: MakeStore) -> None:
+    import weakref
+
+    store = make_store()
+    h = store.put(torch.ones(10))
+    ref = weakref.ref(h)
+    del h
+    gc.collect()
+    assert ref() is None
+
+
+def test_explicit_release_then_use_is_a_clear_error(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    h = store.put(torch.randn(1000))
+    store.release(h)
+    store.release(h)  # idempotent
+    assert store.state_of(h) is TensorState.RELEASED
+    with pytest.raises(TensorReleasedError, match="was released"):
+        store.get(h)
+    assert store.stats().live_entries == 0
+
+
+def test_handles_of_another_store_are_rejected(make_store: MakeStore) -> None:
+    a, b = make_store(), make_store()
+    h = a.put(torch.ones(3))
+    hb = b.put(torch.zeros(3))
+    assert h.key == hb.key
+    with pytest.raises(TensorReleasedError, match="not in this store"):
+        b.get(h)
+    assert torch.equal(b.get(hb), torch.zeros(3))
+
+
+def test_release_during_a_spill_frees_everything(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    gated: list[GatedEngine] = []
+    store._core.wrap_engine(lambda e: gated.append(GatedEngine(e)) or gated[0])
+    h = store.put(torch.randn(MiB // 4))
+    assert store.state_of(h) is TensorState.MOVING_TO_DISK
+    assert torch.equal(store.get(h), store.get(h))  # source still readable in flight
+    store.release(h)
+    gated[0].gate.set()
+    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    st = store.stats()
+    assert (st.host.bytes, st.disk.bytes, st.live_entries) == (0, 0, 0)
+    store._core.audit()
+
+
+def test_close_removes_spill_directory_and_refuses_calls(
+    make_store: MakeStore, caplog: Any
+) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    hs = [store.put(torch.randn(MiB // 4)) for _ in range(3)]
+    (spill,) = store.spill_dirs
+    assert Path(spill).is_dir()
+    with caplog.at_level(logging.INFO, logger="tierstore"):
+        store.close()
+    assert not Path(spill).exists()
+    assert any("3 tensors" in r.getMessage() for r in caplog.records)
+    with pytest.raises(StoreClosedError):
+        store.get(hs[0])
+    with pytest.raises(StoreClosedError):
+        store.put(torch.ones(1))
+    store.close()
+
+
+def test_calls_from_the_loop_thread_are_refused(make_store: MakeStore) -> None:
+    store = make_store()
+    h = store.put(torch.ones(4))
+    loop = store._core.loop
+
+    async def inside() -> None:
+        store.get(h)
+
+    fut = asyncio.run_coroutine_threadsafe(inside(), loop)
+    with pytest.raises(WrongThreadError, match="its own event-loop thread"):
+        fut.result(5)
+
+
+def test_many_threads_share_one_store(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=2 * MiB)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for i in range(15):
+                t = torch.full((MiB // 16,), float(seed * 100 + i))
+                h = store.put(t)
+                assert torch.equal(store.get(h), t)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert errors == []
+    gc.collect()
+    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    store._core.audit()
+    assert store.stats().live_entries == 0
+
+
+def test_default_store_is_built_from_the_environment(monkeypatch: Any, disk_dir: Path) -> None:
+    monkeypatch.setenv("TIERSTORE_DISK_DIR", str(disk_dir))
+    monkeypatch.setenv("TIERSTORE_HOST_BYTES", "3MiB")
+    store = tierstore.default_store()
+    try:
+        assert store is tierstore.default_store()
+        assert store.stats().host.capacity == 3 * MiB
+    finally:
+        store.close()
+    again = tierstore.default_store()
+    assert again is not store
+    again.close()
+
+
+# --------------------------------------------------------------------------- asyncio API
+
+
+async def test_async_store_round_trip(disk_dir: Path) -> None:
+    async with tierstore.AsyncTieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=MiB, min_bytes=0
+    ) as store:
+        ts = [torch.randn(MiB // 4) for _ in range(6)]
+        hs = [await store.put(t) for t in ts]
+        while (await store.stats()).inflight_bytes:
+            await asyncio.sleep(0.005)
+        assert await store.tier_of(hs[0]) is Tier.DISK
+        assert await store.state_of(hs[0]) is TensorState.DISK
+        await store.prefetch(hs[:2])
+        for h, t in zip(reversed(hs), reversed(ts), strict=False):
+            assert torch.equal(await store.get(h), t)
+        await store.release(hs[0])
+        assert await store.state_of(hs[0]) is TensorState.RELEASED
+    assert list(disk_dir.iterdir()) == []
+    with pytest.raises(StoreClosedError):
+        await store.put(torch.ones(1))
+
+
+async def test_async_store_many_concurrent_gets(disk_dir: Path) -> None:
+    async with tierstore.AsyncTieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=0, min_bytes=0, prefetch_bytes=0
+    ) as store:
+        ts = [torch.randn(10_000) for _ in range(20)]
+        hs = [await store.put(t) for t in ts]
+        outs = await asyncio.gather(*(store.get(h) for h in hs), *(store.get(h) for h in hs))
+        for i, t in enumerate(ts):
+            assert torch.equal(outs[i], t) and torch.equal(outs[i + 20], t)
+
+
+def test_async_store_refuses_another_loop(disk_dir: Path) -> None:
+    store = tierstore.AsyncTieredStore(disk_dir=disk_dir, min_bytes=0)
+
+    async def use() -> None:
+        await store.put(torch.ones(1))
+
+    asyncio.run(use())
+    with pytest.raises(WrongThreadError, match="event loop it was opened on"):
+        asyncio.run(use())
+    store._close_at_exit()
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_env_var_paths_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(tierstore.ConfigError, match="does not exist"):
+        TieredStore(disk_dir=tmp_path / "missing")
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(tierstore.ConfigError, match="not a directory"):
+        TieredStore(disk_dir=f)
+
+
+def test_disk_bytes_never_above_free_space(make_store: MakeStore, caplog: Any) -> None:
+    with caplog.at_level(logging.WARNING, logger="tierstore"):
+        store = make_store(disk_bytes="1000TiB")
+    free = os.statvfs(store.spill_dirs[0]).f_bavail * os.statvfs(store.spill_dirs[0]).f_frsize
+    assert store.stats().disk.capacity <= free + 64 * MiB
+    assert any("capped at the free space" in r.getMessage() for r in caplog.records)
