@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from _adapters_util import make_store
+from _adapters_util import make_store as build_store
 
 import tierstore
 
@@ -16,7 +16,7 @@ def store_factory(tmp_path: Path) -> Iterator[Callable[..., tierstore.TieredStor
     made: list[tierstore.TieredStore] = []
 
     def factory(tier: str = "disk", **overrides: object) -> tierstore.TieredStore:
-        store = make_store(tier, tmp_path, **overrides)
+        store = build_store(tier, tmp_path, **overrides)
         made.append(store)
         return store
 
