@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from _adapters_util import make_store as build_store
 
-import tierstore
+if TYPE_CHECKING:
+    import tierstore
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""tierstore.checkpoint: identical gradients with dropout, arguments, outputs, no recursion, no leaks.
+"""tierstore.checkpoint: identical gradients with dropout, arguments, outputs, no recursion.
 
 See Note: [Checkpoint without recursion] and Note: [Every input is an input] in
 src/tierstore/adapters/_checkpoint.py.

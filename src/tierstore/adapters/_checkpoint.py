@@ -131,7 +131,7 @@ class _Plan:
         "tensor_at",
     )
 
-    def __init__(  # noqa: PLR0917
+    def __init__(
         self,
         function: Callable[..., Any],
         key: int,
@@ -181,18 +181,19 @@ class _Plan:
 
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, plan: _Plan, preserve_rng_state: bool, placeholder: torch.Tensor,
         *tensors: torch.Tensor,
     ) -> tuple[Any, ...]:
         del placeholder
-        plan.device_type = _infer_device_type(*tensors)
-        plan.autocast = _get_autocast_kwargs(plan.device_type)
+        plan.device_type = _infer_device_type(*tensors)  # type: ignore[no-untyped-call]
+        plan.autocast = _get_autocast_kwargs(plan.device_type)  # type: ignore[no-untyped-call]
         if preserve_rng_state:
             devices: list[int] = []
             states: list[torch.Tensor] = []
             # Do not initialise a device context by accident (torch.utils.checkpoint does not).
-            if getattr(_get_device_module(plan.device_type), "_initialized", False):
+            device_module = _get_device_module(plan.device_type)  # type: ignore[no-untyped-call]
+            if getattr(device_module, "_initialized", False):
                 devices, states = get_device_states(*tensors)
             plan.rng = (torch.get_rng_state(), devices, states)
         # Saved first, so the store's writes overlap the layer's compute. The pack hook around
@@ -220,7 +221,7 @@ class _CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if not torch.autograd._is_checkpoint_valid():
+        if not torch.autograd._is_checkpoint_valid():  # type: ignore[no-untyped-call]
             raise RuntimeError(
                 "tierstore.checkpoint recomputes inside backward and cannot be used with "
                 "torch.autograd.grad() or backward(inputs=...); call .backward() without inputs"
@@ -336,6 +337,8 @@ def checkpoint(
     tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
     placeholder = torch.empty(0, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(plan.pack, _unpack):
-        out = _CheckpointFunction.apply(plan, preserve_rng_state, placeholder, *tensors)
+        out = _CheckpointFunction.apply(  # type: ignore[no-untyped-call]
+            plan, preserve_rng_state, placeholder, *tensors
+        )
     assert plan.out_spec is not None
     return pytree.tree_unflatten(list(out), plan.out_spec)  # type: ignore[no-any-return]

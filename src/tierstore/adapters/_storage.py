@@ -115,7 +115,7 @@ class StorageTable:
     def exclude(self, t: torch.Tensor) -> None:
         """Never offload tensors on ``t``'s storage (a module's buffer: it stays alive anyway)."""
         if t.layout == torch.strided and not t.is_meta and type(t) is torch.Tensor:
-            ref = StorageWeakRef(t.untyped_storage())
+            ref = StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
             with self._lock:
                 self._excluded[ref.cdata] = ref
 
@@ -146,19 +146,20 @@ class StorageTable:
         if storage.nbytes() % t.element_size():
             store.note_skipped(UNSUPPORTED, nbytes)
             return t
-        ref = StorageWeakRef(storage)
+        ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
         version = t._version
         with self._lock:
             excluded = self._excluded.get(ref.cdata)
             known = self._by_storage.get(ref.cdata)
-        if excluded is not None and not excluded.expired():
+        if excluded is not None and not excluded.expired():  # type: ignore[no-untyped-call]
             store.note_skipped(PARAMETER, nbytes)
             return t
         if known is not None:
             known_ref, known_version, known_stored = known
             stored = known_stored()
             # The weak storage reference pins the id, so a live match is the very same storage.
-            if stored is not None and not known_ref.expired() and known_version == version:
+            alive = not known_ref.expired()  # type: ignore[no-untyped-call]
+            if stored is not None and alive and known_version == version:
                 return Saved(stored, t)
         flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         try:
