@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument(
         "--modes", default="none,hooks,checkpoint",
-        help="comma-separated: none, hooks (offload_activations), checkpoint (tierstore.checkpoint)",
+        help="comma-separated: none, hooks (offload_activations), checkpoint",
     )
     parser.add_argument("--disk-dir", help="parent of the spill directories (default: config)")
     parser.add_argument("--out", type=Path, help="write per-rank gradients and stats here")
