@@ -4,7 +4,7 @@
 
 Nothing is downloaded: the model is built from a LlamaConfig with random weights and the data
 set is random token ids. With a real model, call ``enable_offloaded_checkpointing`` the same
-way right after loading it, and leave ``TrainingArguments(activation_checkpointing=...)`` off.
+way right after loading it, and leave ``TrainingArguments.activation_checkpointing`` off.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ def enable_offloaded_checkpointing(
     backward with the forward's RNG state, so gradients are bit-identical to no checkpointing,
     dropout included. Works with ``Trainer``: call this before ``trainer.train()`` and leave
     ``TrainingArguments.activation_checkpointing`` (alias ``gradient_checkpointing``) off: it
-    would install torch's checkpoint over this one. ``model.activation_checkpointing_disable()`` turns it off again.
+    would install torch's checkpoint over this one. ``model.activation_checkpointing_disable()``
+    turns it off again.
 
     Args:
         model: a ``transformers.PreTrainedModel`` that supports gradient checkpointing.
