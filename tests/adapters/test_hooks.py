@@ -292,6 +292,24 @@ def test_double_backward_with_create_graph(store_factory: StoreFactory) -> None:
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_inplace_change_after_save_raises_as_without_hooks(
+    store_factory: StoreFactory, tier: str
+) -> None:
+    # See Note: [Version check] in src/tierstore/adapters/_storage.py.
+    store = store_factory(tier)
+    x = torch.randn(100, requires_grad=True)
+    y = x.exp()
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    with tierstore.offload_activations(store):
+        y = x.exp()  # exp saves its result
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 # -- eligibility and what is counted -------------------------------------------------------
 
 

@@ -75,9 +75,18 @@ class Stored:
 
 
 class Saved:
-    """A saved tensor that was offloaded: where it sits inside a stored storage."""
+    """A saved tensor that was offloaded: where it sits inside a stored storage.
 
-    __slots__ = ("dtype", "offset", "size", "stored", "stride")
+    Note: [Version check]
+        With saved-tensor hooks installed, autograd no longer checks that a saved tensor was
+        not modified in place before backward; it trusts what unpack returns. So the record
+        keeps the version counter seen at pack and a weak reference to the tensor: if the
+        tensor is still alive at unpack and was written since, unpack raises the error autograd
+        raises without hooks, instead of returning the bytes as they were (disk) or as they
+        are now (a tier that holds the tensor itself).
+    """
+
+    __slots__ = ("dtype", "offset", "size", "source", "stored", "stride", "version")
 
     def __init__(self, stored: Stored, t: torch.Tensor) -> None:
         self.stored = stored
@@ -85,9 +94,23 @@ class Saved:
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        self.version = t._version
+        self.source = weakref.ref(t)
 
     def tensor(self) -> torch.Tensor:
-        """The saved tensor again: same device, dtype, shape, strides and bytes."""
+        """The saved tensor again: same device, dtype, shape, strides and bytes.
+
+        Raises:
+            RuntimeError: the tensor was modified in place after it was saved.
+        """
+        source = self.source()
+        if source is not None and source._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{source.type()} {list(source.shape)}] is at version "
+                f"{source._version}; expected version {self.version} instead "
+                "(tierstore.offload_activations checks this as autograd does)"
+            )
         flat = self.stored.flat()
         with torch.no_grad():
             return flat.view(self.dtype).as_strided(self.size, self.stride, self.offset)
