@@ -474,6 +474,8 @@ class StoreCore:
 
     def _plan_down(self) -> None:
         """Move the oldest entries of over-full tiers down (Note: [The cascade] in docs)."""
+        if self._closed:
+            return  # close() is draining the transfers in flight; start no new ones
         cfg = self.config
         limit = cfg.max_inflight_bytes
         blocked = False
@@ -838,7 +840,8 @@ class StoreCore:
         self._set_fetched(e, None)
         if e.disk:
             self._set_disk(e, 0)
-            self._spawn(self._delete, e.key)
+            if not self._closed:  # at close the engine deletes every file at once
+                self._spawn(self._delete, e.key)
         e.ready = None
 
     async def _delete(self, key: int) -> None:
@@ -962,14 +965,20 @@ class StoreCore:
 
     async def finish_close(self, timeout: float) -> None:
         """Let in-flight I/O end (cancel it after ``timeout`` seconds), then delete everything."""
-        pending = {t for t in self._tasks if t is not asyncio.current_task()}
-        if pending:
-            _done, still = await asyncio.wait(pending, timeout=timeout)
-            for t in still:
-                t.cancel()
-            if still:
-                log.warning("tierstore: cancelled %d transfers still running at close", len(still))
-                await asyncio.wait(still, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        # Finishing tasks may start others (a fetch completing a prefetch walk); wait until no
+        # task is left, then cancel whatever outlived the timeout.
+        while pending := {t for t in self._tasks if t is not asyncio.current_task()}:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for t in pending:
+                    t.cancel()
+                log.warning(
+                    "tierstore: cancelled %d transfers still running at close", len(pending)
+                )
+                await asyncio.wait(pending, timeout=5)
+                break
+            await asyncio.wait(pending, timeout=left)
         with self._lock:
             summary = self._snapshot_locked().summary()
             for e in list(self._entries.values()):

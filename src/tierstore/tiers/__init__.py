@@ -17,7 +17,7 @@ __all__ = ["DiskEngine", "open_engine"]
 def open_engine(directories: tuple[Path, ...], config: StoreConfig) -> DiskEngine:
     """The engine ``config.disk_format`` names, over ``directories``."""
     if config.disk_format == "zarr":
-        from tierstore.tiers._zarr import ZarrEngine  # type: ignore[import-not-found,unused-ignore]
+        from tierstore.tiers._zarr import ZarrEngine
 
         return ZarrEngine(directories, config)
     from tierstore.tiers._raw import RawEngine

@@ -30,10 +30,12 @@ class DiskEngine(abc.ABC):
         config: the store's configuration (chunk size, threads, direct I/O, checksum).
 
     Contract:
-        * ``write(key, src)``: ``src`` is a 1-D contiguous ``uint8`` CPU tensor; the caller keeps
-          it alive and unchanged until the coroutine returns. On return the bytes are stored.
-          On failure nothing stays allocated for ``key`` and the error propagates (an
-          ``OSError`` carries its ``errno``, so the store can tell ENOSPC from EIO).
+        * ``write(key, src, *, dtype=None, shape=None)``: ``src`` is a 1-D contiguous ``uint8``
+          CPU tensor; the caller keeps it alive and unchanged until the coroutine returns. On
+          return the bytes are stored. ``dtype``/``shape`` (optional) describe the original
+          tensor for self-describing formats. On failure nothing stays allocated for ``key``
+          and the error propagates (an ``OSError`` carries its ``errno``, so the store can tell
+          ENOSPC from EIO).
         * ``read(key, out)``: fill ``out`` (1-D contiguous ``uint8`` CPU, exactly the written
           size) with the bytes. Raises ``CorruptTensorError`` when a checksum or size does not
           match, never returning wrong bytes silently.
@@ -55,8 +57,20 @@ class DiskEngine(abc.ABC):
         return nbytes
 
     @abc.abstractmethod
-    async def write(self, key: int, src: torch.Tensor) -> None:
-        """Store ``src`` under ``key``."""
+    async def write(
+        self,
+        key: int,
+        src: torch.Tensor,
+        *,
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
+        """Store ``src`` under ``key``.
+
+        ``dtype`` and ``shape`` optionally describe the tensor whose bytes ``src`` holds; an
+        engine that keeps a self-describing format (zarr) records them, the raw engine ignores
+        them. They never change the bytes ``read`` returns.
+        """
 
     @abc.abstractmethod
     async def read(self, key: int, out: torch.Tensor) -> None:

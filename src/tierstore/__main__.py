@@ -1,0 +1,147 @@
+"""``python -m tierstore info``: the resolved configuration and what this machine offers.
+
+Example:
+    $ TIERSTORE_DISK_DIR=/nvme0:/nvme1 python -m tierstore info
+    $ python -m tierstore info --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+__all__ = ["collect_info", "main"]
+
+
+def _pinning() -> tuple[bool, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, "no CUDA device; the host tier uses pageable memory"
+    try:
+        t = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError as e:
+        return False, f"pinning failed: {e}"
+    return bool(t.is_pinned()), "ok"
+
+
+def _directory(path: Path) -> dict[str, object]:
+    from tierstore.bench._system import filesystem_of
+    from tierstore.tiers._raw import probe_direct_io
+
+    if not path.is_dir():
+        return {"path": str(path), "exists": False}
+    usage = shutil.disk_usage(path)
+    probe = probe_direct_io(path)
+    return {
+        "path": str(path),
+        "exists": True,
+        "filesystem": filesystem_of(path),
+        "free_bytes": usage.free,
+        "total_bytes": usage.total,
+        "o_direct": probe.supported,
+        "o_direct_reason": probe.reason,
+    }
+
+
+def collect_info() -> dict[str, object]:
+    """Everything ``info`` prints, as a JSON-ready dict.
+
+    Raises:
+        ConfigError: a ``TIERSTORE_*`` variable is invalid.
+    """
+    import google_crc32c
+    import numpy
+    import torch
+    import zarr
+
+    import tierstore
+    from tierstore.config import StoreConfig
+    from tierstore.tiers._checksum import IMPLEMENTATION
+
+    config = StoreConfig.from_env()
+    pinned, why = _pinning()
+    return {
+        "versions": {
+            "tierstore": tierstore.__version__,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "zarr": zarr.__version__,
+            "numpy": numpy.__version__,
+            "google_crc32c": f"{google_crc32c.implementation} implementation",
+        },
+        "config": {
+            f.name: (
+                [str(p) for p in getattr(config, f.name)]
+                if f.name == "disk_dirs"
+                else getattr(config, f.name)
+            )
+            for f in dataclasses.fields(config)
+        },
+        "cuda": {
+            "available": torch.cuda.is_available(),
+            "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "pinning": pinned,
+            "pinning_detail": why,
+        },
+        "checksum": IMPLEMENTATION if config.checksum == "crc32c" else "none",
+        "disk_dirs": [_directory(d) for d in config.disk_dirs],
+    }
+
+
+def _print(info: dict[str, object]) -> None:
+    versions = info["versions"]
+    assert isinstance(versions, dict)
+    print(", ".join(f"{k} {v}" for k, v in versions.items()))
+    print("configuration (TIERSTORE_* and defaults):")
+    config = info["config"]
+    assert isinstance(config, dict)
+    for k, v in config.items():
+        print(f"  {k:<20} {v}")
+    cuda = info["cuda"]
+    assert isinstance(cuda, dict)
+    print(f"CUDA available: {'yes' if cuda['available'] else 'no'} {cuda['devices'] or ''}")
+    print(f"pinned host memory: {'yes' if cuda['pinning'] else 'no'} ({cuda['pinning_detail']})")
+    print(f"checksum: {info['checksum']}")
+    dirs = info["disk_dirs"]
+    assert isinstance(dirs, list)
+    for d in dirs:
+        if not d["exists"]:
+            print(f"spill directory {d['path']}: does not exist")
+            continue
+        direct = "yes" if d["o_direct"] else f"no ({d['o_direct_reason']})"
+        print(
+            f"spill directory {d['path']}: {d['filesystem']}, "
+            f"{d['free_bytes'] / 2**30:.1f} GiB free of {d['total_bytes'] / 2**30:.1f} GiB, "
+            f"O_DIRECT {direct}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m tierstore``."""
+    parser = argparse.ArgumentParser(prog="python -m tierstore")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="print the configuration and what was detected")
+    info.add_argument("--json", action="store_true", help="print JSON instead of text")
+    args = parser.parse_args(argv)
+    from tierstore.errors import ConfigError
+
+    try:
+        facts = collect_info()
+    except ConfigError as e:
+        print(f"configuration error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(facts, indent=2))
+    else:
+        _print(facts)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The ``tierstore-bench`` command (``python -m tierstore.bench``); see ``__main__``."""

@@ -1,0 +1,362 @@
+"""``tierstore-bench``: tierstore's disk tier against the disk's own limit and the alternatives.
+
+Example:
+    tierstore-bench --sizes 1MiB,16MiB --total 256MiB --repeats 3 --json out.json --plot out.png
+
+Every measurement pushes ``--total`` bytes of tensors of one size through one path, writes
+them, then reads them back newest first. The paths, all in one run:
+
+* ``raw-limit``: fio with O_DIRECT, 1 MiB blocks, 16 in flight (dd where fio is absent);
+* ``tierstore-raw``, ``tierstore-raw-2dirs``, ``tierstore-zarr``: a ``TieredStore`` with no
+  host tier, so every tensor spills, through ``put``/``get`` (the 2dirs variant stripes over
+  ``--dir`` and ``--dir2``);
+* ``raw-engine``: the raw engine without the store around it;
+* ``torch.save``: one ``torch.save``/``torch.load`` file per tensor, as axolotl's offloader;
+* ``aiofiles``: whole-file writes and ``readinto`` reads, 16 in flight;
+* ``os``: plain ``os.write``/``os.readv`` of whole files.
+
+Buffered paths are fsync'd and their files evicted from the page cache before reading; the
+output says how. GB/s means 10**9 bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierstore.bench._paths import PATHS, Context, Timing
+from tierstore.bench._system import PageCache, RawLimit, machine_facts, measure_raw_limit
+from tierstore.config import StoreConfig, parse_size
+
+__all__ = ["main"]
+
+Row = dict[str, Any]
+"""One result: engine, op, size_bytes, gbps_min, gbps_median, gbps_max."""
+
+DEFAULT_SIZES = "64KiB,1MiB,16MiB,256MiB"
+DEFAULT_TOTAL = "2GiB"
+DEFAULT_ENGINES = ("raw-limit", *PATHS)
+MAX_TENSORS = 4096
+"""At most this many tensors per measurement, so small sizes do not take minutes per file path."""
+
+
+def _size_name(n: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return f"{n}B"
+
+
+class Progress:
+    """A one-line progress bar on stderr (no dependency)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 30
+        filled = width * self.done // self.total
+        bar = "#" * filled + "." * (width - filled)
+        elapsed = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:6.1f}s {label:<40.40}")
+        sys.stderr.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tierstore-bench",
+        description="Measure tierstore's disk tier against the raw disk and the alternatives.",
+    )
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"tensor sizes (default {DEFAULT_SIZES})")
+    p.add_argument(
+        "--total",
+        default=DEFAULT_TOTAL,
+        help=f"bytes per measurement (default {DEFAULT_TOTAL}; at most {MAX_TENSORS} tensors)",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="repeats per measurement (default 3)")
+    p.add_argument(
+        "--engines",
+        default=",".join(DEFAULT_ENGINES),
+        help=f"comma-separated paths to measure (default all: {','.join(DEFAULT_ENGINES)})",
+    )
+    p.add_argument(
+        "--dir", type=Path, default=None,
+        help="where to run (default: the first TIERSTORE_DISK_DIR directory)",
+    )
+    p.add_argument(
+        "--dir2", type=Path, default=None,
+        help="second directory for the striping figure (default: a second directory under --dir)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, default=None, help="draw GB/s against size (matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    return min(values), statistics.median(values), max(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; return the exit status."""
+    args = _parser().parse_args(argv)
+    sizes = [parse_size(s, name="--sizes") for s in args.sizes.split(",") if s.strip()]
+    total = parse_size(args.total, name="--total")
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in DEFAULT_ENGINES]
+    if unknown or not sizes or args.repeats < 1 or any(s <= 0 for s in sizes):
+        _parser().error(
+            f"unknown engine(s) {unknown}; known: {', '.join(DEFAULT_ENGINES)}"
+            if unknown else "need at least one positive size and --repeats >= 1"
+        )
+    base = args.dir if args.dir is not None else StoreConfig.from_env().disk_dirs[0]
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tierstore-bench-", dir=base))
+    try:
+        d1 = work / "dir1"
+        d1.mkdir(mode=0o700)
+        if args.dir2 is not None:
+            args.dir2.mkdir(parents=True, exist_ok=True)
+            d2 = Path(tempfile.mkdtemp(prefix="tierstore-bench-", dir=args.dir2))
+        else:
+            d2 = work / "dir2"
+            d2.mkdir(mode=0o700)
+        try:
+            return _run(args, sizes, total, engines, d1, d2)
+        finally:
+            if args.dir2 is not None:
+                shutil.rmtree(d2, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(
+    args: argparse.Namespace,
+    sizes: list[int],
+    total: int,
+    engines: list[str],
+    d1: Path,
+    d2: Path,
+) -> int:
+    from tierstore.tiers._raw import probe_direct_io
+
+    cache = PageCache()
+    ctx = Context(d1, d2, cache)
+    paths = [e for e in engines if e != "raw-limit"]
+    steps = args.repeats * len(sizes) * (len(paths) + ("raw-limit" in engines))
+    progress = Progress(steps, enabled=not args.no_progress)
+    write: dict[tuple[str, int], list[float]] = {}
+    read: dict[tuple[str, int], list[float]] = {}
+    cached: dict[str, list[int]] = {}
+    us_per_tensor: dict[str, list[float]] = {}
+    summaries: dict[str, str] = {}
+    limits: list[RawLimit] = []
+
+    limit_by_size: dict[int, list[RawLimit]] = {}
+    for size in sizes:
+        # One size at a time, so only its tensors are in memory; the raw limit is measured
+        # next to the paths it is compared with, in each repeat.
+        tensors = _make_tensors(size, max(1, min(MAX_TENSORS, total // size)))
+        nbytes = sum(t.numel() for t in tensors)
+        for _ in range(args.repeats):
+            if "raw-limit" in engines:
+                progress.step(f"raw-limit {_size_name(size)}")
+                limit = measure_raw_limit(d1, min(max(total, 16 << 20), 1 << 30))
+                limits.append(limit)
+                limit_by_size.setdefault(size, []).append(limit)
+            for name in paths:
+                progress.step(f"{name} {_size_name(size)} x{len(tensors)}")
+                timing: Timing = PATHS[name](ctx, tensors)
+                write.setdefault((name, size), []).append(nbytes / timing.write_s / 1e9)
+                read.setdefault((name, size), []).append(nbytes / timing.read_s / 1e9)
+                if timing.cached_delta_bytes is not None:
+                    cached.setdefault(f"{name} {_size_name(size)}", []).append(
+                        timing.cached_delta_bytes
+                    )
+                if size == min(sizes):
+                    per = (timing.write_s + timing.read_s) / len(tensors) * 1e6
+                    us_per_tensor.setdefault(f"{name} {_size_name(size)}", []).append(per)
+                if timing.stats:
+                    summaries[name] = timing.stats
+        del tensors
+    progress.finish()
+
+    results: list[Row] = []
+    for size in sizes:
+        if size in limit_by_size:
+            here = limit_by_size[size]
+            for op, values in (("write", [x.write_gbps for x in here]),
+                               ("read", [x.read_gbps for x in here])):
+                lo, med, hi = _stats(values)
+                results.append(_result("raw-limit", op, size, lo, med, hi))
+        for name in paths:
+            for op, table in (("write", write), ("read", read)):
+                lo, med, hi = _stats(table[(name, size)])
+                results.append(_result(name, op, size, lo, med, hi))
+
+    machine = machine_facts(d1)
+    probe = probe_direct_io(d1)
+    machine.update(
+        {
+            "raw_limit_tool": limits[0].tool if limits else None,
+            "o_direct": probe.supported,
+            "page_cache": (
+                "raw-limit and tierstore-raw use O_DIRECT (no page cache); " + cache.method
+            ),
+            "total_bytes_per_measurement": total,
+            "max_tensors_per_measurement": MAX_TENSORS,
+            "repeats": args.repeats,
+            "command": "tierstore-bench " + " ".join(sys.argv[1:] if len(sys.argv) > 1 else []),
+            "cached_growth_while_spilling_bytes": {
+                k: int(statistics.median(v)) for k, v in cached.items()
+            },
+            "put_get_us_per_tensor": {k: round(statistics.median(v), 1)
+                                      for k, v in us_per_tensor.items()},
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    )
+    _print_table(results, sizes, machine, summaries)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"machine": machine, "results": results}, indent=2))
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        _plot(results, args.plot, machine)
+    return 0
+
+
+def _make_tensors(size: int, n: int) -> list[torch.Tensor]:
+    """``n`` distinct tensors of ``size`` random bytes (distinct storages: the store would
+    otherwise keep one copy of tensors that share memory)."""
+    g = torch.Generator().manual_seed(size)
+    block = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+    tensors = []
+    for i in range(n):
+        t = block.clone()
+        head = min(8, size)
+        t[:head] = torch.tensor(list(i.to_bytes(8, "little")[:head]), dtype=torch.uint8)
+        tensors.append(t)
+    return tensors
+
+
+def _result(engine: str, op: str, size: int, lo: float, med: float, hi: float) -> Row:
+    return {
+        "engine": engine,
+        "op": op,
+        "size_bytes": size,
+        "gbps_min": round(lo, 3),
+        "gbps_median": round(med, 3),
+        "gbps_max": round(hi, 3),
+    }
+
+
+def _print_table(
+    results: list[Row],
+    sizes: list[int],
+    machine: dict[str, object],
+    summaries: dict[str, str],
+) -> None:
+    print(f"machine: {machine['cpus']} CPUs, {machine['filesystem']}, kernel {machine['kernel']}, "
+          f"O_DIRECT {'yes' if machine['o_direct'] else 'no'}")
+    print(f"raw limit: {machine['raw_limit_tool'] or 'not measured'}")
+    print(f"page cache: {machine['page_cache']}")
+    print()
+    head = f"{'engine':<22}{'size':>8}  {'write GB/s min/med/max':>24}"
+    print(f"{head}  {'read GB/s min/med/max':>24}")
+    by_key = {(r["engine"], r["op"], r["size_bytes"]): r for r in results}
+    engines = list(dict.fromkeys(str(r["engine"]) for r in results))
+    for size in sizes:
+        for name in engines:
+            w = by_key.get((name, "write", size))
+            r = by_key.get((name, "read", size))
+            if w is None or r is None:
+                continue
+            print(f"{name:<22}{_size_name(size):>8}  {_triple(w):>24}  {_triple(r):>24}")
+        print()
+    for size in sizes:
+        lines = []
+        for name in ("tierstore-raw", "raw-engine"):
+            for op in ("write", "read"):
+                ours = by_key.get((name, op, size))
+                if ours is None:
+                    continue
+                for ref in ("raw-limit", "torch.save"):
+                    other = by_key.get((ref, op, size))
+                    if other is not None:
+                        ratio = ours["gbps_median"] / max(other["gbps_median"], 1e-9)
+                        lines.append(f"{name} {op} = {ratio:.2f}x {ref}")
+        if lines:
+            print(f"ratios of medians at {_size_name(size)}: " + "; ".join(lines))
+    cached = machine.get("cached_growth_while_spilling_bytes")
+    if isinstance(cached, dict) and cached:
+        print("page cache growth while spilling (Cached in /proc/meminfo, median): " + ", ".join(
+            f"{k} {v / (1 << 20):+.1f} MiB" for k, v in cached.items()))
+    per = machine.get("put_get_us_per_tensor")
+    if isinstance(per, dict) and per:
+        print("write+read per tensor (us, median): "
+              + ", ".join(f"{k} {v}" for k, v in per.items()))
+    for name, summary in summaries.items():
+        print(f"{name} stats: {summary}")
+
+
+def _triple(r: Row) -> str:
+    return f"{r['gbps_min']:.2f}/{r['gbps_median']:.2f}/{r['gbps_max']:.2f}"
+
+
+def _plot(results: list[Row], path: Path, machine: dict[str, object]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib: pip install 'tierstore[plot]'", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    engines = list(dict.fromkeys(str(r["engine"]) for r in results))
+    for ax, op in zip(axes, ("write", "read"), strict=True):
+        for name in engines:
+            rows = sorted(
+                (r for r in results if r["engine"] == name and r["op"] == op),
+                key=lambda r: int(r["size_bytes"]),
+            )
+            xs = [int(r["size_bytes"]) for r in rows]
+            med = [float(r["gbps_median"]) for r in rows]
+            lo = [float(r["gbps_min"]) for r in rows]
+            hi = [float(r["gbps_max"]) for r in rows]
+            style = "--" if name == "raw-limit" else "-"
+            (line,) = ax.plot(xs, med, style, marker="o", label=name)
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tensor size (bytes)")
+        ax.set_title(f"{op} (median, band min-max)")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"tierstore-bench on {machine['cpus']} CPUs, {machine['filesystem']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

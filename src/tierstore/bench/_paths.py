@@ -1,0 +1,279 @@
+"""The paths the benchmark compares: each writes a list of tensors to disk and reads them back.
+
+Every path writes durably enough to reach the disk (O_DIRECT, or ``fsync`` per file), and every
+read produces fresh tensors from the disk, newest first (LIFO, as backward consumes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tierstore.bench._system import PageCache, cached_bytes
+
+__all__ = ["PATHS", "Timing"]
+
+_IN_FLIGHT = 16
+"""Requests in flight for the asynchronous file paths (aiofiles, the engine)."""
+
+
+@dataclass(slots=True)
+class Timing:
+    """Seconds one path took to write and to read back a list of tensors."""
+
+    write_s: float
+    read_s: float
+    cached_delta_bytes: int | None = None
+    """Growth of the page cache (``Cached``) while spilling, where the path measures it."""
+    stats: str = ""
+    """The store's ``stats().summary()``, for store paths."""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """Where and how a path runs."""
+
+    directory: Path
+    second_directory: Path
+    cache: PageCache
+
+
+def _check(tensors: list[torch.Tensor], back: list[torch.Tensor], what: str) -> None:
+    # ``back`` is newest first.
+    for i, (t, b) in enumerate(zip(tensors, reversed(back), strict=True)):
+        if not torch.equal(t, b):
+            raise AssertionError(f"{what}: tensor {i} came back different")
+
+
+def _settle(store: object, total: int) -> None:
+    # The store has no "wait until everything is on disk" call; poll its stats snapshot. The
+    # interval (0.2 ms) is far below one measurement (>= tens of milliseconds).
+    from tierstore import TieredStore
+
+    assert isinstance(store, TieredStore)
+    while True:
+        st = store.stats()
+        if st.inflight_bytes == 0 and st.disk.bytes >= total:
+            return
+        time.sleep(0.0002)
+
+
+PathFn = Callable[["Context", list[torch.Tensor]], "Timing"]
+
+
+def _store_path(disk_format: str, two_dirs: bool) -> PathFn:
+    def run(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
+        from tierstore import TieredStore
+
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        dirs = [ctx.directory, ctx.second_directory] if two_dirs else [ctx.directory]
+        # host_bytes=0: every tensor spills, so the figure is the disk tier's own.
+        with TieredStore(
+            host_bytes=0,
+            device_bytes=0,
+            min_bytes=0,
+            disk_dir=os.pathsep.join(str(d) for d in dirs),
+            disk_format=disk_format,
+            timeout=None,
+        ) as store:
+            before = cached_bytes()
+            t0 = time.perf_counter()
+            handles = [store.put(t) for t in tensors]
+            _settle(store, total)
+            t1 = time.perf_counter()
+            delta = cached_bytes() - before
+            back = []
+            t2 = time.perf_counter()
+            for h in reversed(handles):
+                back.append(store.get(h))
+            t3 = time.perf_counter()
+            for h in handles:
+                store.release(h)
+            summary = store.stats().summary()
+        _check(tensors, back, f"tierstore {disk_format}")
+        return Timing(t1 - t0, t3 - t2, delta, summary)
+
+    return run
+
+
+def _engine_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
+    """The raw engine alone, without the store: what the store's overhead is measured against."""
+    from tierstore.config import StoreConfig
+    from tierstore.tiers._raw import RawEngine
+
+    async def run(directory: Path) -> Timing:
+        engine = RawEngine((directory,), StoreConfig.from_env())
+        sem = asyncio.Semaphore(_IN_FLIGHT)
+        views = [t.view(-1).view(torch.uint8) for t in tensors]
+
+        async def write(k: int) -> None:
+            async with sem:
+                await engine.write(k, views[k])
+
+        async def read(k: int) -> torch.Tensor:
+            async with sem:
+                out = torch.empty_like(views[k])
+                await engine.read(k, out)
+                return out
+
+        try:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(write(k) for k in range(len(views))))
+            t1 = time.perf_counter()
+            back = await asyncio.gather(*(read(k) for k in reversed(range(len(views)))))
+            t2 = time.perf_counter()
+        finally:
+            await engine.close()
+        _check([v for v in views], list(back), "raw engine")
+        return Timing(t1 - t0, t2 - t1)
+
+    work = Path(tempfile.mkdtemp(prefix="tierstore-bench-", dir=ctx.directory))
+    try:
+        return asyncio.run(run(work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(ctx: Context, n: int, suffix: str) -> tuple[Path, list[Path]]:
+    work = Path(tempfile.mkdtemp(prefix="tierstore-bench-", dir=ctx.directory))
+    return work, [work / f"{i:06d}{suffix}" for i in range(n)]
+
+
+def _torch_save_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
+    """One ``torch.save`` file per tensor, as axolotl's disk offloader does; fsync'd."""
+    work, paths = _files(ctx, len(tensors), ".pt")
+    try:
+        t0 = time.perf_counter()
+        for t, p in zip(tensors, paths, strict=True):
+            torch.save(t, p)
+            _fsync(p)
+        t1 = time.perf_counter()
+        ctx.cache.evict(paths)
+        t2 = time.perf_counter()
+        back = [torch.load(p, weights_only=True) for p in reversed(paths)]
+        t3 = time.perf_counter()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _check(tensors, back, "torch.save")
+    return Timing(t1 - t0, t3 - t2)
+
+
+def _os_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
+    """Plain ``os.write``/``os.readv`` of whole files, one after another; fsync'd."""
+    work, paths = _files(ctx, len(tensors), ".bin")
+    try:
+        before = cached_bytes()
+        t0 = time.perf_counter()
+        for t, p in zip(tensors, paths, strict=True):
+            view = t.view(-1).view(torch.uint8).numpy().data
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        t1 = time.perf_counter()
+        # For contrast with the spill paths: what buffered writes leave in the page cache.
+        delta = cached_bytes() - before
+        ctx.cache.evict(paths)
+        back = []
+        t2 = time.perf_counter()
+        for t, p in zip(reversed(tensors), reversed(paths), strict=True):
+            out = torch.empty_like(t)
+            view = out.view(-1).view(torch.uint8).numpy().data
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                done = 0
+                while done < len(view):
+                    n = os.readv(fd, [view[done:]])
+                    if n == 0:
+                        raise EOFError(p)
+                    done += n
+            finally:
+                os.close(fd)
+            back.append(out)
+        t3 = time.perf_counter()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _check(tensors, back, "os")
+    return Timing(t1 - t0, t3 - t2, delta)
+
+
+def _aiofiles_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
+    """aiofiles whole-file writes and ``readinto`` reads, 16 files in flight; fsync'd."""
+    import aiofiles
+
+    work, paths = _files(ctx, len(tensors), ".bin")
+
+    async def write_all() -> None:
+        sem = asyncio.Semaphore(_IN_FLIGHT)
+
+        async def one(t: torch.Tensor, p: Path) -> None:
+            async with sem, aiofiles.open(p, "wb") as f:
+                await f.write(t.view(-1).view(torch.uint8).numpy().data)
+                await f.flush()
+                await asyncio.to_thread(os.fsync, f.fileno())
+
+        await asyncio.gather(*(one(t, p) for t, p in zip(tensors, paths, strict=True)))
+
+    async def read_all() -> list[torch.Tensor]:
+        sem = asyncio.Semaphore(_IN_FLIGHT)
+
+        async def one(t: torch.Tensor, p: Path) -> torch.Tensor:
+            out = torch.empty_like(t)
+            view = out.view(-1).view(torch.uint8).numpy().data
+            async with sem, aiofiles.open(p, "rb", buffering=0) as f:
+                done = 0
+                while done < len(view):
+                    n = await f.readinto(view[done:])
+                    if not n:
+                        raise EOFError(p)
+                    done += n
+            return out
+
+        pairs = zip(reversed(tensors), reversed(paths), strict=True)
+        return list(await asyncio.gather(*(one(t, p) for t, p in pairs)))
+
+    try:
+        t0 = time.perf_counter()
+        asyncio.run(write_all())
+        t1 = time.perf_counter()
+        ctx.cache.evict(paths)
+        t2 = time.perf_counter()
+        back = asyncio.run(read_all())
+        t3 = time.perf_counter()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _check(tensors, back, "aiofiles")
+    return Timing(t1 - t0, t3 - t2)
+
+
+PATHS: dict[str, PathFn] = {
+    "tierstore-raw": _store_path("raw", two_dirs=False),
+    "tierstore-raw-2dirs": _store_path("raw", two_dirs=True),
+    "tierstore-zarr": _store_path("zarr", two_dirs=False),
+    "raw-engine": _engine_path,
+    "torch.save": _torch_save_path,
+    "aiofiles": _aiofiles_path,
+    "os": _os_path,
+}
+"""Every path by the name the results use (``raw-limit`` is measured separately)."""

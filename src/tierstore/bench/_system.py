@@ -1,0 +1,163 @@
+"""What the benchmark needs from the machine: the raw disk limit, page-cache control, facts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "PageCache",
+    "RawLimit",
+    "cached_bytes",
+    "filesystem_of",
+    "machine_facts",
+    "measure_raw_limit",
+]
+
+MiB = 1 << 20
+
+
+def cached_bytes() -> int:
+    """``Cached`` from /proc/meminfo, in bytes (the page cache, shared memory included)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def filesystem_of(path: Path) -> str:
+    """The filesystem type and mount point holding ``path``, from /proc/mounts."""
+    best = ("", "?")
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                mount = fields[1]
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best[0]):
+                    best = (mount, fields[2])
+    except OSError:
+        pass
+    return f"{best[1]} on {best[0] or '?'}"
+
+
+class PageCache:
+    """Evicts files the buffered paths wrote, so their reads come from the disk.
+
+    As root, ``/proc/sys/vm/drop_caches`` drops the whole clean page cache after a ``sync``;
+    otherwise each file gets ``posix_fadvise(DONTNEED)`` after its ``fsync`` (clean pages only,
+    which is why the writes are fsync'd).
+    """
+
+    def __init__(self) -> None:
+        self.drop_caches = os.geteuid() == 0 and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+    @property
+    def method(self) -> str:
+        if self.drop_caches:
+            return "buffered paths: fsync each file, then sync + /proc/sys/vm/drop_caches"
+        return "buffered paths: fsync each file, then posix_fadvise(DONTNEED) on each file"
+
+    def evict(self, paths: list[Path]) -> None:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        if self.drop_caches:
+            os.sync()
+            try:
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("1\n")
+            except OSError:
+                self.drop_caches = False
+
+
+@dataclass(frozen=True, slots=True)
+class RawLimit:
+    """One measurement of what the disk does with O_DIRECT, without tierstore."""
+
+    tool: str
+    """The command that measured it."""
+    write_gbps: float
+    """Sequential O_DIRECT writes, GB/s (10**9 bytes per second)."""
+    read_gbps: float
+    """Sequential O_DIRECT reads, GB/s."""
+
+
+def _fio(path: Path, nbytes: int, rw: str, engine: str) -> float:
+    cmd = [
+        "fio", "--name=rawlimit", f"--filename={path}", f"--size={nbytes}", "--bs=1M",
+        "--iodepth=16", f"--ioengine={engine}", "--direct=1", f"--rw={rw}",
+        "--output-format=json",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
+    job = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]
+    if job.get("error"):
+        raise RuntimeError(f"fio {engine}: error {job['error']}")
+    return float(job[rw]["bw_bytes"]) / 1e9
+
+
+def _dd(path: Path, nbytes: int, rw: str) -> float:
+    count = max(1, nbytes // MiB)
+    if rw == "write":
+        cmd = ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "oflag=direct"]
+    else:
+        cmd = ["dd", f"if={path}", "of=/dev/null", "bs=1M", f"count={count}", "iflag=direct"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, capture_output=True, check=True, timeout=600)
+    return count * MiB / (time.perf_counter() - t0) / 1e9
+
+
+def measure_raw_limit(directory: Path, nbytes: int) -> RawLimit:
+    """The disk's own O_DIRECT speed in ``directory``: fio if installed, else dd.
+
+    fio runs 1 MiB blocks with 16 in flight through io_uring (libaio where io_uring fails);
+    dd, the fallback, has one request in flight and so reads lower than the disk can do.
+    """
+    nbytes = max(MiB, nbytes // MiB * MiB)
+    path = directory / f".tierstore-bench-rawlimit-{os.getpid()}"
+    try:
+        if shutil.which("fio"):
+            for engine in ("io_uring", "libaio"):
+                try:
+                    w = _fio(path, nbytes, "write", engine)
+                    r = _fio(path, nbytes, "read", engine)
+                except (subprocess.CalledProcessError, RuntimeError, ValueError, KeyError):
+                    continue
+                return RawLimit(f"fio direct=1 bs=1M iodepth=16 ioengine={engine}", w, r)
+        w = _dd(path, nbytes, "write")
+        r = _dd(path, nbytes, "read")
+        return RawLimit("dd bs=1M oflag=direct/iflag=direct (fio not installed)", w, r)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def machine_facts(directory: Path) -> dict[str, object]:
+    """Where the benchmark ran: CPU, memory, kernel, filesystem, library versions."""
+    import numpy
+    import torch
+    import zarr
+
+    return {
+        "hostname": platform.node(),
+        "cpus": os.cpu_count(),
+        "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "zarr": zarr.__version__,
+        "numpy": numpy.__version__,
+        "directory": str(directory),
+        "filesystem": filesystem_of(directory),
+        "cuda": torch.cuda.is_available(),
+    }

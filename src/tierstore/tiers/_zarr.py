@@ -1,0 +1,255 @@
+"""The zarr disk engine (``TIERSTORE_DISK_FORMAT=zarr``): one zarr v3 array per spilled tensor.
+
+Each spill directory holds one zarr v3 group, ``spill.zarr``; tensor ``key`` becomes the array
+``spill.zarr/<key as 16 hex digits>`` in the group of directory ``key % len(directories)``.
+Arrays are uncompressed, so any zarr v3 reader can open a spill while the process runs:
+
+* When the store passes the tensor's ``dtype`` and ``shape`` and zarr has that dtype, the
+  array has them. Otherwise (bfloat16, float8, ... or no dtype given) the array holds the raw
+  bytes as ``uint8``. Either way the attributes keep ``torch_dtype``, ``shape`` and ``nbytes``.
+* With ``checksum="crc32c"`` the chunks carry zarr's own ``crc32c`` codec (part of the v3
+  spec), so a reader also checks them; a mismatch here raises ``CorruptTensorError``.
+* Chunks hold about ``io_chunk_bytes`` each, split along the first axis.
+
+Files are made 0600 and directories 0700 (zarr itself would follow the umask). The raw engine
+is about twice as fast; use this one when a spill must be readable by other tools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tierstore.errors import CorruptTensorError
+from tierstore.tiers._engine import DiskEngine
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from tierstore.config import StoreConfig
+
+__all__ = ["GROUP", "ZarrEngine", "numpy_dtype"]
+
+GROUP = "spill.zarr"
+"""Name of the zarr group inside each private spill directory."""
+
+_NUMPY_NAMES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+)
+
+
+def numpy_dtype(dtype: torch.dtype | None) -> np.dtype[Any] | None:
+    """The numpy dtype zarr stores for ``dtype``, or ``None`` when zarr has no such dtype."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return np.dtype(name) if name in _NUMPY_NAMES else None
+
+
+def _key_name(key: int) -> str:
+    return f"{key:016x}"
+
+
+class ZarrEngine(DiskEngine):
+    """Spill each blob as an uncompressed zarr v3 array (see the module docstring).
+
+    Args:
+        directories: private spill directories; arrays are spread over them by key.
+        config: ``io_threads`` (default 4) threads run zarr; ``io_chunk_bytes`` (default
+            8 MiB) sizes the chunks; ``checksum`` (default ``crc32c``) adds the crc32c codec.
+
+    Raises:
+        OSError: a group cannot be created.
+    """
+
+    name = "zarr"
+
+    def __init__(self, directories: tuple[Path, ...], config: StoreConfig) -> None:
+        import zarr
+
+        super().__init__(directories, config)
+        if not directories:
+            raise ValueError("ZarrEngine needs at least one directory")
+        self._roots = [d / GROUP for d in directories]
+        for root in self._roots:
+            zarr.open_group(str(root), mode="w-", zarr_format=3)
+            _make_private(root)
+        self._sizes: dict[int, int] = {}
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-zarr")
+        self._closed = False
+
+    def _path(self, key: int) -> Path:
+        return self._roots[key % len(self._roots)] / _key_name(key)
+
+    def footprint(self, nbytes: int) -> int:
+        """Chunk files padded to filesystem blocks, their 4-byte checksums, and the metadata."""
+        chunks = max(1, math.ceil(nbytes / self.config.io_chunk_bytes))
+        return -(-(nbytes + 4 * chunks) // 4096) * 4096 + 4096 * chunks + 4096
+
+    async def write(
+        self,
+        key: int,
+        src: torch.Tensor,
+        *,
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
+        """Store ``src`` as the array ``key``; typed when ``dtype`` is one zarr has."""
+        self._check_open()
+        if key in self._sizes:
+            raise KeyError(f"key {key} is already stored; delete it first")
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._pool, self._write, key, src, dtype, shape)
+        try:
+            await asyncio.shield(fut)
+        except BaseException:
+            # Cancelled or failed: let the thread finish before removing what it made.
+            await asyncio.wait([fut])
+            await loop.run_in_executor(self._pool, _remove, self._path(key))
+            raise
+        self._sizes[key] = src.numel()
+
+    async def read(self, key: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with the bytes of ``key``.
+
+        Raises:
+            KeyError: nothing is stored under ``key``.
+            CorruptTensorError: a size, a chunk or a checksum does not match.
+        """
+        self._check_open()
+        size = self._sizes[key]
+        if out.numel() != size:
+            raise CorruptTensorError(
+                f"key {key}: {size} bytes were spilled but {out.numel()} were asked for"
+            )
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._read, key, out)
+
+    async def delete(self, key: int) -> None:
+        """Remove the array of ``key`` (a missing key is ignored)."""
+        if self._sizes.pop(key, None) is not None:
+            await asyncio.get_running_loop().run_in_executor(self._pool, _remove, self._path(key))
+
+    async def close(self) -> None:
+        """Wait for the threads and remove the groups (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        self._sizes.clear()
+        for root in self._roots:
+            _remove(root)
+
+    def describe(self) -> dict[str, object]:
+        """Groups, chunk size and checksum codec, for ``tierstore info``."""
+        import zarr
+
+        return {
+            "format": self.name,
+            "groups": [str(r) for r in self._roots],
+            "zarr": zarr.__version__,
+            "io_threads": self.config.io_threads,
+            "chunk_bytes": self.config.io_chunk_bytes,
+            "checksum": "zarr crc32c codec" if self.config.checksum == "crc32c" else "none",
+        }
+
+    # -- blocking work on the engine's threads ---------------------------------------------
+
+    def _write(
+        self, key: int, src: torch.Tensor, dtype: torch.dtype | None, shape: tuple[int, ...] | None
+    ) -> None:
+        import zarr
+        from zarr.codecs import Crc32cCodec
+        from zarr.core.array_spec import ArrayConfigParams
+
+        data: np.ndarray[Any, Any] = src.numpy()
+        typed = numpy_dtype(dtype)
+        if (
+            typed is not None
+            and shape is not None
+            and math.prod(shape) * typed.itemsize == data.nbytes
+        ):
+            data = data.view(typed).reshape(shape)
+        chunks = _chunk_shape(data.shape, data.dtype.itemsize, self.config.io_chunk_bytes)
+        path = self._path(key)
+        group = zarr.open_group(str(path.parent), mode="r+", zarr_format=3)
+        array = group.create_array(
+            _key_name(key),
+            shape=data.shape,
+            dtype=data.dtype,
+            chunks=chunks,
+            filters=None,
+            compressors=[Crc32cCodec()] if self.config.checksum == "crc32c" else None,
+            fill_value=0,
+            attributes={
+                "torch_dtype": str(dtype) if dtype is not None else "torch.uint8",
+                "shape": list(shape) if shape is not None else [int(src.numel())],
+                "nbytes": int(src.numel()),
+            },
+            config=ArrayConfigParams(order="C", write_empty_chunks=True),
+        )
+        if data.size:
+            array[...] = data
+        _make_private(path)
+
+    def _read(self, key: int, out: torch.Tensor) -> None:
+        import zarr
+
+        path = self._path(key)
+        try:
+            array = zarr.open_array(str(path), mode="r", zarr_format=3)
+            if array.size and array.nchunks_initialized != array.nchunks:
+                # zarr fills a missing chunk with the fill value; for us that is lost data.
+                raise CorruptTensorError(
+                    f"spilled array {str(path)!r} lost {array.nchunks - array.nchunks_initialized}"
+                    f" of its {array.nchunks} chunk files"
+                )
+            data = np.ascontiguousarray(array[...]).reshape(-1).view(np.uint8)
+        except CorruptTensorError:
+            raise
+        except (ValueError, OSError, KeyError, TypeError) as e:
+            # zarr reports a bad checksum or a short chunk as ValueError, a missing file as
+            # FileNotFoundError or its own errors; every one means the spill is damaged.
+            raise CorruptTensorError(f"spilled array {str(path)!r} is damaged: {e}") from e
+        if data.nbytes != out.numel():
+            raise CorruptTensorError(
+                f"spilled array {str(path)!r} holds {data.nbytes} bytes, {out.numel()} expected"
+            )
+        out.numpy()[:] = data
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the disk engine is closed")
+
+
+def _chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tuple[int, ...]:
+    """Chunks of about ``chunk_bytes``, split along the first axis only."""
+    if not shape:
+        return ()
+    row = max(1, math.prod(shape[1:]) * itemsize)
+    first = max(1, min(shape[0], chunk_bytes // row))
+    return (first, *(max(1, s) for s in shape[1:]))
+
+
+def _make_private(path: Path) -> None:
+    """0700 directories and 0600 files under ``path`` (zarr creates them by the umask)."""
+    for root, dirs, files in os.walk(path):
+        os.chmod(root, 0o700)
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o700)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o600)
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(path)

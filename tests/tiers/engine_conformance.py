@@ -1,0 +1,240 @@
+"""One conformance test class every disk engine passes.
+
+A test module subclasses :class:`EngineConformance`, names the engine class, and implements the
+backdoors: reading a key's bytes straight from the files, damaging them, and listing the files.
+The backdoors never go through the engine's ``read``, so a test catches an engine whose reads
+agree with its writes while the files hold something else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from typing import TYPE_CHECKING, ClassVar
+
+import pytest
+import torch
+
+from tierstore.config import StoreConfig
+from tierstore.errors import CorruptTensorError
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
+
+    from tierstore.tiers import DiskEngine
+
+KiB = 1 << 10
+MiB = 1 << 20
+CHUNK = 64 * KiB
+"""Chunk size in the tests: small, so a few MiB already take many chunks."""
+
+SIZES = [0, 1, 4095, 4096, 4097, 64 * KiB, 3 * MiB + 7]
+
+
+def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def make_dirs(tmp_path: Path, n: int) -> tuple[Path, ...]:
+    dirs = []
+    for i in range(n):
+        d = tmp_path / f"spill{i}"
+        d.mkdir(mode=0o700)
+        dirs.append(d)
+    return tuple(dirs)
+
+
+class EngineConformance:
+    """The behaviour :class:`~tierstore.tiers.DiskEngine` promises, checked for one engine."""
+
+    engine_class: ClassVar[type[DiskEngine]]
+    n_dirs: ClassVar[int] = 1
+
+    # -- backdoors each engine's test module implements ---------------------------------------
+
+    def backdoor_read(self, engine: DiskEngine, key: int) -> bytes:
+        """The bytes of ``key`` read from the files without the engine."""
+        raise NotImplementedError
+
+    def damage_byte(self, engine: DiskEngine, key: int) -> None:
+        """Flip one byte of ``key``'s data in its file."""
+        raise NotImplementedError
+
+    def truncate(self, engine: DiskEngine, key: int) -> None:
+        """Cut the file holding the end of ``key``'s data short."""
+        raise NotImplementedError
+
+    def dirs_holding(self, engine: DiskEngine, key: int) -> set[Path]:
+        """The directories whose files hold some of ``key``'s bytes."""
+        raise NotImplementedError
+
+    # -- fixtures ----------------------------------------------------------------------------
+
+    @pytest.fixture
+    def config(self) -> StoreConfig:
+        return StoreConfig.from_env({}, io_chunk_bytes=CHUNK, io_threads=4)
+
+    @pytest.fixture
+    async def engine(self, tmp_path: Path, config: StoreConfig) -> AsyncIterator[DiskEngine]:
+        engine = self.engine_class(make_dirs(tmp_path, self.n_dirs), config)
+        yield engine
+        await engine.close()
+
+    async def striped(self, tmp_path: Path, config: StoreConfig) -> DiskEngine:
+        return self.engine_class(make_dirs(tmp_path, 2), config)
+
+    # -- round trips -------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("size", SIZES)
+    async def test_round_trip_is_bit_exact(self, engine: DiskEngine, size: int) -> None:
+        src = random_bytes(size, seed=size)
+        await engine.write(7, src)
+        assert self.backdoor_read(engine, 7) == src.numpy().tobytes()
+        out = torch.full((size,), 0xA5, dtype=torch.uint8)
+        await engine.read(7, out)
+        assert torch.equal(out, src)
+
+    async def test_read_into_unaligned_view(self, engine: DiskEngine) -> None:
+        # A tensor that starts one byte into its storage can never be page-aligned.
+        src = random_bytes(CHUNK * 3 + 5, seed=1)[1:]
+        await engine.write(1, src)
+        out = torch.zeros(src.numel() + 1, dtype=torch.uint8)[1:]
+        await engine.read(1, out)
+        assert torch.equal(out, src)
+
+    async def test_source_may_change_after_write_returns(self, engine: DiskEngine) -> None:
+        src = random_bytes(5 * CHUNK + 3, seed=2)
+        expected = src.clone()
+        await engine.write(1, src)
+        src.zero_()
+        out = torch.empty_like(src)
+        await engine.read(1, out)
+        assert torch.equal(out, expected)
+
+    async def test_many_concurrent_writes_and_reads(self, engine: DiskEngine) -> None:
+        sizes = [(i * 7919) % (3 * CHUNK) + i for i in range(48)]
+        srcs = {k: random_bytes(n, seed=k) for k, n in enumerate(sizes)}
+        await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+        outs = {k: torch.empty_like(t) for k, t in srcs.items()}
+        await asyncio.gather(*(engine.read(k, outs[k]) for k in reversed(srcs)))
+        for k, t in srcs.items():
+            assert torch.equal(outs[k], t), k
+            assert self.backdoor_read(engine, k) == t.numpy().tobytes()
+
+    async def test_a_cancelled_write_stores_nothing(self, engine: DiskEngine) -> None:
+        src = random_bytes(6 * CHUNK + 1, seed=3)
+        task = asyncio.create_task(engine.write(5, src))
+        await asyncio.sleep(0)  # let the write start and hand work to its threads
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(KeyError):
+            await engine.read(5, torch.empty_like(src))
+        await engine.write(5, src)  # the key is free again
+        out = torch.empty_like(src)
+        await engine.read(5, out)
+        assert torch.equal(out, src)
+
+    async def test_writing_a_stored_key_again_is_refused(self, engine: DiskEngine) -> None:
+        await engine.write(3, random_bytes(10))
+        with pytest.raises(KeyError):
+            await engine.write(3, random_bytes(10, seed=1))
+
+    async def test_reading_an_unknown_key_raises_key_error(self, engine: DiskEngine) -> None:
+        with pytest.raises(KeyError):
+            await engine.read(12345, torch.empty(1, dtype=torch.uint8))
+
+    async def test_reading_into_the_wrong_size_is_refused(self, engine: DiskEngine) -> None:
+        await engine.write(3, random_bytes(100))
+        with pytest.raises(CorruptTensorError):
+            await engine.read(3, torch.empty(99, dtype=torch.uint8))
+
+    # -- space -------------------------------------------------------------------------------
+
+    async def test_delete_frees_space_for_the_next_blob(self, engine: DiskEngine) -> None:
+        await engine.write(1, random_bytes(MiB, seed=1))
+        used = _file_bytes(engine.directories)
+        await engine.delete(1)
+        with pytest.raises(KeyError):
+            await engine.read(1, torch.empty(MiB, dtype=torch.uint8))
+        src = random_bytes(MiB, seed=2)
+        await engine.write(2, src)
+        assert _file_bytes(engine.directories) == used
+        assert self.backdoor_read(engine, 2) == src.numpy().tobytes()
+
+    async def test_delete_of_an_unknown_key_is_ignored(self, engine: DiskEngine) -> None:
+        await engine.delete(999)
+
+    def test_footprint_covers_the_bytes(self, engine: DiskEngine) -> None:
+        for n in SIZES:
+            assert engine.footprint(n) >= n
+        assert engine.footprint(4097) >= 8192
+
+    async def test_close_removes_every_file(self, engine: DiskEngine) -> None:
+        for k, n in enumerate(SIZES):
+            await engine.write(k, random_bytes(n))
+        await engine.close()
+        for d in engine.directories:
+            assert list(d.iterdir()) == []
+        await engine.close()  # idempotent
+
+    async def test_files_are_private(self, engine: DiskEngine) -> None:
+        await engine.write(1, random_bytes(3 * CHUNK))
+        found = 0
+        for d in engine.directories:
+            for root, dirs, files in os.walk(d):
+                for name in dirs:
+                    assert stat.S_IMODE(os.stat(os.path.join(root, name)).st_mode) == 0o700
+                for name in files:
+                    found += 1
+                    assert stat.S_IMODE(os.stat(os.path.join(root, name)).st_mode) == 0o600
+        assert found
+
+    # -- damage ------------------------------------------------------------------------------
+
+    async def test_a_damaged_byte_is_detected(self, engine: DiskEngine) -> None:
+        src = random_bytes(2 * CHUNK + 100, seed=5)
+        await engine.write(4, src)
+        self.damage_byte(engine, 4)
+        with pytest.raises(CorruptTensorError):
+            await engine.read(4, torch.empty_like(src))
+
+    async def test_a_truncated_file_is_detected(self, engine: DiskEngine) -> None:
+        src = random_bytes(2 * CHUNK + 100, seed=6)
+        await engine.write(4, src)
+        self.truncate(engine, 4)
+        with pytest.raises(CorruptTensorError):
+            await engine.read(4, torch.empty_like(src))
+
+    # -- striping ----------------------------------------------------------------------------
+
+    async def test_two_directories_both_hold_data(
+        self, tmp_path: Path, config: StoreConfig
+    ) -> None:
+        engine = await self.striped(tmp_path, config)
+        try:
+            srcs = {k: random_bytes(4 * CHUNK + k, seed=k) for k in range(4)}
+            for k, t in srcs.items():
+                await engine.write(k, t)
+            holding = set().union(*(self.dirs_holding(engine, k) for k in srcs))
+            assert holding == set(engine.directories)
+            for k, t in srcs.items():
+                assert self.backdoor_read(engine, k) == t.numpy().tobytes()
+                out = torch.empty_like(t)
+                await engine.read(k, out)
+                assert torch.equal(out, t)
+        finally:
+            await engine.close()
+        for d in engine.directories:
+            assert list(d.iterdir()) == []
+
+
+def _file_bytes(directories: tuple[Path, ...]) -> int:
+    total = 0
+    for d in directories:
+        for root, _, files in os.walk(d):
+            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return total
