@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import statistics
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -102,8 +103,10 @@ def test_memory_flat_over_200_steps_with_disk_tier(store_factory: StoreFactory) 
         rss.append(proc.memory_info().rss)
     assert per_step > 1 << 20
     assert store.stats().bytes_to_disk >= 200 * per_step
-    growth = max(rss[120:]) - max(rss[10:20])
-    assert growth < 16 << 20, f"RSS grew {growth / 2**20:.1f} MiB from step 20 to 220"
+    # Medians of windows: RSS wanders by ~10 MiB from step to step (allocator, I/O buffers),
+    # while leaking even one step's activations per step would add >300 MB by the end.
+    early, late = statistics.median(rss[20:70]), statistics.median(rss[-50:])
+    assert late - early < 16 << 20, f"RSS grew {(late - early) / 2**20:.1f} MiB over 150 steps"
 
 
 # -- invariant 2: views, shared storage, base storage freed ---------------------------------
