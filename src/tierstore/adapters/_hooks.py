@@ -119,7 +119,9 @@ class offload_activations:
     Tensors that share one storage are stored once; see Note: [One storage, one entry]. The
     graph owns what is stored: a forward that never runs backward frees everything it stored
     when its graph is dropped. Non-reentrant ``torch.utils.checkpoint`` regions inside the
-    block keep their own (recomputed) activations; their outputs are offloaded as usual.
+    block keep their own (recomputed) activations; their outputs are offloaded as usual. A
+    saved tensor modified in place before backward raises as it would without hooks (Note:
+    [Version check]).
 
     Args:
         store: the store to use; ``None`` means :func:`tierstore.default_store`, resolved when
@@ -146,8 +148,17 @@ class offload_activations:
         check_min_bytes(min_bytes)
         self._store_arg = store
         self._min_bytes = min_bytes
-        # One entry per active block: a context object may be entered again (or nested).
-        self._active: list[tuple[saved_tensors_hooks, RemovableHandle]] = []
+        # Per thread, one entry per active block: one object may be entered again, nested, or
+        # on several threads at once.
+        self._local = threading.local()
+
+    def _active(self) -> list[tuple[saved_tensors_hooks, RemovableHandle]]:
+        active: list[tuple[saved_tensors_hooks, RemovableHandle]] | None = getattr(
+            self._local, "active", None
+        )
+        if active is None:
+            active = self._local.active = []
+        return active
 
     @property
     def store(self) -> TieredStore:
@@ -169,10 +180,10 @@ class offload_activations:
         # the block runs and while anything it stored lives.
         hooks = saved_tensors_hooks(session.pack, _unpack)
         hooks.__enter__()
-        self._active.append((hooks, hook))
+        self._active().append((hooks, hook))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        hooks, hook = self._active.pop()
+        hooks, hook = self._active().pop()
         hooks.__exit__(*exc_info)
         hook.remove()
