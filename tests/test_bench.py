@@ -17,18 +17,40 @@ def test_bench_runs_tiny_and_writes_the_json_schema(tmp_path: Path) -> None:
     env = {k: v for k, v in env.items() if not k.startswith("TIERSTORE_")}
     done = subprocess.run(
         [
-            sys.executable, "-m", "tierstore.bench", "--sizes", "64KiB,1MiB", "--total", "4MiB",
-            "--repeats", "2", "--dir", str(tmp_path), "--json", str(out), "--no-progress",
+            sys.executable,
+            "-m",
+            "tierstore.bench",
+            "--sizes",
+            "64KiB,1MiB",
+            "--total",
+            "4MiB",
+            "--repeats",
+            "2",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+            "--no-progress",
         ],
-        capture_output=True, text=True, env=env, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert set(data) == {"machine", "results"}
     assert isinstance(data["machine"], dict)
     engines = {r["engine"] for r in data["results"]}
-    assert {"raw-limit", "tierstore-raw", "tierstore-raw-2dirs", "tierstore-zarr",
-            "torch.save", "aiofiles"} <= engines
+    assert {
+        "raw-limit",
+        "tierstore-raw",
+        "tierstore-raw-2dirs",
+        "tierstore-zarr",
+        "torch.save",
+        "aiofiles",
+    } <= engines
     for r in data["results"]:
         assert set(r) == {"engine", "op", "size_bytes", "gbps_min", "gbps_median", "gbps_max"}
         assert r["op"] in {"write", "read"}

@@ -15,7 +15,10 @@ def _run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
     return subprocess.run(
         [sys.executable, "-m", "tierstore", *args],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
         env={**base, "PYTHONPATH": str(SRC), **env},
     )
 
@@ -24,8 +27,11 @@ def test_info_reports_each_spill_directory(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    done = _run("info", "--json", env={"TIERSTORE_DISK_DIR": f"{a}{os.pathsep}{b}",
-                                        "TIERSTORE_IO_THREADS": "3"})
+    done = _run(
+        "info",
+        "--json",
+        env={"TIERSTORE_DISK_DIR": f"{a}{os.pathsep}{b}", "TIERSTORE_IO_THREADS": "3"},
+    )
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
     assert info["config"]["io_threads"] == 3

@@ -282,14 +282,21 @@ class GatedEngine(DiskEngine):
     def footprint(self, nbytes: int) -> int:
         return self.inner.footprint(nbytes)
 
-    async def write(self, key: int, src: torch.Tensor) -> None:
+    async def write(
+        self,
+        key: int,
+        src: torch.Tensor,
+        *,
+        dtype: torch.dtype | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
         with self.lock:
             self.inflight += src.numel()
             self.peak = max(self.peak, self.inflight)
         try:
             while not self.gate.is_set():
                 await asyncio.sleep(0.002)
-            await self.inner.write(key, src)
+            await self.inner.write(key, src, dtype=dtype, shape=shape)
         finally:
             with self.lock:
                 self.inflight -= src.numel()
@@ -530,3 +537,12 @@ def test_disk_bytes_never_above_free_space(make_store: MakeStore, caplog: Any) -
     free = os.statvfs(store.spill_dirs[0]).f_bavail * os.statvfs(store.spill_dirs[0]).f_frsize
     assert store.stats().disk.capacity <= free + 64 * MiB
     assert any("capped at the free space" in r.getMessage() for r in caplog.records)
+
+
+def test_zarr_format_round_trips_every_dtype_through_the_store(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0, disk_format="zarr")
+    tensors = [_random((4, 3), dtype, seed=i) for i, dtype in enumerate(_cpu_dtypes())]
+    handles = [store.put(t) for t in tensors]
+    _wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles))
+    for h, t in zip(handles, tensors, strict=True):
+        assert _same_bits(store.get(h), t), t.dtype

@@ -576,7 +576,7 @@ class StoreCore:
         assert src is not None and self._engine is not None
         t0 = time.perf_counter()
         try:
-            await self._engine.write(e.key, as_bytes(src))
+            await self._engine.write(e.key, as_bytes(src), dtype=e.dtype, shape=tuple(e.shape))
         except Exception as exc:
             with self._lock:
                 self._inflight -= e.nbytes

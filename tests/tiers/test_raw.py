@@ -136,9 +136,7 @@ async def test_one_tensor_is_striped_chunk_by_chunk(tmp_path: Path, config: Stor
         await engine.close()
 
 
-async def test_the_file_grows_when_full(
-    engine: RawEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_the_file_grows_when_full(engine: RawEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_raw, "_GROW_MIN", CHUNK)
     srcs = [random_bytes(CHUNK * 5, seed=k) for k in range(6)]
     for k, t in enumerate(srcs):

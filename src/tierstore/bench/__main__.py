@@ -100,11 +100,15 @@ def _parser() -> argparse.ArgumentParser:
         help=f"comma-separated paths to measure (default all: {','.join(DEFAULT_ENGINES)})",
     )
     p.add_argument(
-        "--dir", type=Path, default=None,
+        "--dir",
+        type=Path,
+        default=None,
         help="where to run (default: the first TIERSTORE_DISK_DIR directory)",
     )
     p.add_argument(
-        "--dir2", type=Path, default=None,
+        "--dir2",
+        type=Path,
+        default=None,
         help="second directory for the striping figure (default: a second directory under --dir)",
     )
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
@@ -127,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not sizes or args.repeats < 1 or any(s <= 0 for s in sizes):
         _parser().error(
             f"unknown engine(s) {unknown}; known: {', '.join(DEFAULT_ENGINES)}"
-            if unknown else "need at least one positive size and --repeats >= 1"
+            if unknown
+            else "need at least one positive size and --repeats >= 1"
         )
     base = args.dir if args.dir is not None else StoreConfig.from_env().disk_dirs[0]
     base.mkdir(parents=True, exist_ok=True)
@@ -205,8 +210,10 @@ def _run(
     for size in sizes:
         if size in limit_by_size:
             here = limit_by_size[size]
-            for op, values in (("write", [x.write_gbps for x in here]),
-                               ("read", [x.read_gbps for x in here])):
+            for op, values in (
+                ("write", [x.write_gbps for x in here]),
+                ("read", [x.read_gbps for x in here]),
+            ):
                 lo, med, hi = _stats(values)
                 results.append(_result("raw-limit", op, size, lo, med, hi))
         for name in paths:
@@ -230,8 +237,9 @@ def _run(
             "cached_growth_while_spilling_bytes": {
                 k: int(statistics.median(v)) for k, v in cached.items()
             },
-            "put_get_us_per_tensor": {k: round(statistics.median(v), 1)
-                                      for k, v in us_per_tensor.items()},
+            "put_get_us_per_tensor": {
+                k: round(statistics.median(v), 1) for k, v in us_per_tensor.items()
+            },
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
     )
@@ -275,8 +283,10 @@ def _print_table(
     machine: dict[str, object],
     summaries: dict[str, str],
 ) -> None:
-    print(f"machine: {machine['cpus']} CPUs, {machine['filesystem']}, kernel {machine['kernel']}, "
-          f"O_DIRECT {'yes' if machine['o_direct'] else 'no'}")
+    print(
+        f"machine: {machine['cpus']} CPUs, {machine['filesystem']}, kernel {machine['kernel']}, "
+        f"O_DIRECT {'yes' if machine['o_direct'] else 'no'}"
+    )
     print(f"raw limit: {machine['raw_limit_tool'] or 'not measured'}")
     print(f"page cache: {machine['page_cache']}")
     print()
@@ -308,12 +318,15 @@ def _print_table(
             print(f"ratios of medians at {_size_name(size)}: " + "; ".join(lines))
     cached = machine.get("cached_growth_while_spilling_bytes")
     if isinstance(cached, dict) and cached:
-        print("page cache growth while spilling (Cached in /proc/meminfo, median): " + ", ".join(
-            f"{k} {v / (1 << 20):+.1f} MiB" for k, v in cached.items()))
+        print(
+            "page cache growth while spilling (Cached in /proc/meminfo, median): "
+            + ", ".join(f"{k} {v / (1 << 20):+.1f} MiB" for k, v in cached.items())
+        )
     per = machine.get("put_get_us_per_tensor")
     if isinstance(per, dict) and per:
-        print("write+read per tensor (us, median): "
-              + ", ".join(f"{k} {v}" for k, v in per.items()))
+        print(
+            "write+read per tensor (us, median): " + ", ".join(f"{k} {v}" for k, v in per.items())
+        )
     for name, summary in summaries.items():
         print(f"{name} stats: {summary}")
 

@@ -96,12 +96,19 @@ class RawLimit:
 
 def _fio(path: Path, nbytes: int, rw: str, engine: str) -> float:
     cmd = [
-        "fio", "--name=rawlimit", f"--filename={path}", f"--size={nbytes}", "--bs=1M",
-        "--iodepth=16", f"--ioengine={engine}", "--direct=1", f"--rw={rw}",
+        "fio",
+        "--name=rawlimit",
+        f"--filename={path}",
+        f"--size={nbytes}",
+        "--bs=1M",
+        "--iodepth=16",
+        f"--ioengine={engine}",
+        "--direct=1",
+        f"--rw={rw}",
         "--output-format=json",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
-    job = json.loads(done.stdout[done.stdout.index("{"):])["jobs"][0]
+    job = json.loads(done.stdout[done.stdout.index("{") :])["jobs"][0]
     if job.get("error"):
         raise RuntimeError(f"fio {engine}: error {job['error']}")
     return float(job[rw]["bw_bytes"]) / 1e9

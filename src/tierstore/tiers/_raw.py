@@ -207,8 +207,11 @@ class _SpillFile:
                     with contextlib.suppress(OSError):
                         os.ftruncate(self.fd, old)
                     if e.errno != errno.ENOSPC or amount == _pad(nbytes):
-                        raise OSError(e.errno, f"growing {self.path} by {amount} bytes: "
-                                      f"{e.strerror}", str(self.path)) from e
+                        raise OSError(
+                            e.errno,
+                            f"growing {self.path} by {amount} bytes: {e.strerror}",
+                            str(self.path),
+                        ) from e
                     continue
                 self.extents.size = old + amount
                 self.extents.free(old, amount)
