@@ -174,9 +174,12 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             return tierstore.offload_activations(store)
         return nullcontext()
 
+    cpu_times: list[float] = []
+
     def step() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with context():
@@ -187,12 +190,14 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+        cpu_times.append(time.process_time() - c0)
         return time.perf_counter() - t0
 
     for _ in range(args.warmup):
         step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    cpu_times.clear()
     before = store.stats() if store is not None else None
     rss_before = PeakRSS.now()
     times: list[float] = []
@@ -206,6 +211,10 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "step_s_median": statistics.median(times),
         "step_s": times,
+        # CPU seconds of all the process's threads (store I/O threads included): on a shared
+        # machine, less disturbed by other processes than wall time.
+        "cpu_s": list(cpu_times),
+        "cpu_s_median": statistics.median(cpu_times),
         "rss_before_bytes": rss_before,
         "peak_rss_bytes": sampler.peak,
         "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -306,9 +315,12 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """One result per mode: median step over all rounds' steps, median of the rounds' peaks."""
     result = dict(rounds[-1])
     times = [t for r in rounds for t in r["step_s"]]
+    cpu = [t for r in rounds for t in r["cpu_s"]]
     result["rounds"] = len(rounds)
     result["step_s"] = times
     result["step_s_median"] = statistics.median(times)
+    result["cpu_s"] = cpu
+    result["cpu_s_median"] = statistics.median(cpu)
     for key in ("peak_rss_bytes", "rss_before_bytes", "ru_maxrss_bytes"):
         result[key] = int(statistics.median(r[key] for r in rounds))
         result[key + "_rounds"] = [r[key] for r in rounds]
@@ -335,12 +347,14 @@ def table(results: list[dict[str, Any]]) -> str:
     mib = 1 << 20
     base = next((r for r in results if r["mode"] == "none"), None)
     head = (
-        f"{'mode':<12} {'step s':>8} {'x none':>7} {'peak RSS MiB':>13} {'vs none':>9} "
+        f"{'mode':<12} {'step s':>8} {'x none':>7} {'CPU s':>7} {'x none':>7} "
+        f"{'peak RSS MiB':>13} {'vs none':>9} "
         f"{'offloaded MiB/step':>19} {'saved/offloaded':>16}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         ratio = r["step_s_median"] / base["step_s_median"] if base else float("nan")
+        cpu_ratio = r["cpu_s_median"] / base["cpu_s_median"] if base else float("nan")
         delta = (r["peak_rss_bytes"] - base["peak_rss_bytes"]) / mib if base else float("nan")
         off = r.get("offloaded_bytes_per_step")
         saved = (
@@ -348,6 +362,7 @@ def table(results: list[dict[str, Any]]) -> str:
         )
         lines.append(
             f"{r['mode']:<12} {r['step_s_median']:>8.3f} {ratio:>7.2f} "
+            f"{r['cpu_s_median']:>7.2f} {cpu_ratio:>7.2f} "
             f"{r['peak_rss_bytes'] / mib:>13.0f} {delta:>+9.0f} "
             f"{(off or 0) / mib:>19.0f} {saved:>16}"
         )
