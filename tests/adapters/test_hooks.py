@@ -501,7 +501,8 @@ def test_stats_show_what_was_offloaded_and_summary_is_logged(
     train_steps(store, steps=1)
     stats = settled(store)
     assert stats.disk.total_entries == stats.puts > 0
-    assert stats.disk.total_bytes == stats.bytes_put >= stats.bytes_to_disk > 0
+    # The disk tier counts whole pages per entry: at least the bytes put.
+    assert stats.disk.total_bytes >= stats.bytes_put >= stats.bytes_to_disk > 0
     assert stats.bytes_from_disk > 0
     assert stats.get_wait_seconds >= 0.0
     assert stats.skipped["below_min_bytes"] > 0 and stats.skipped["parameter_or_buffer"] > 0
