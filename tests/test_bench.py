@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -62,3 +64,18 @@ def test_bench_runs_tiny_and_writes_the_json_schema(tmp_path: Path) -> None:
     assert "page cache" in done.stdout
     # Nothing left behind in the directory the benchmark ran in.
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
+def test_raw_limit_falls_back_to_dd_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierstore.bench import _system
+    from tierstore.tiers._raw import probe_direct_io
+
+    if not probe_direct_io(tmp_path).supported:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT, which dd's fallback needs")
+    monkeypatch.setattr(_system.shutil, "which", lambda name: None)
+    limit = _system.measure_raw_limit(tmp_path, 4 << 20)
+    assert limit.tool.startswith("dd") and "fio not installed" in limit.tool
+    assert limit.write_gbps > 0 and limit.read_gbps > 0
+    assert list(tmp_path.iterdir()) == []

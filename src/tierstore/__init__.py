@@ -18,6 +18,7 @@ from tierstore._state import TensorState, Tier
 from tierstore._stats import StoreStats, TierStats
 from tierstore._store import AsyncTieredStore
 from tierstore._sync import TieredStore, default_store
+from tierstore.adapters import checkpoint, offload_activations
 from tierstore.config import StoreConfig
 from tierstore.errors import (
     ConfigError,
@@ -53,5 +54,18 @@ __all__ = [
     "TieredStore",
     "UnsupportedTensorError",
     "WrongThreadError",
+    "checkpoint",
     "default_store",
+    "integrations",
+    "offload_activations",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # ``tierstore.integrations`` is imported on first use: its modules import optional
+    # packages (transformers) only when called, but there is no reason to load them eagerly.
+    if name == "integrations":
+        import importlib
+
+        return importlib.import_module("tierstore.integrations")
+    raise AttributeError(f"module 'tierstore' has no attribute {name!r}")

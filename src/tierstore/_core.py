@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierstore._handle import TensorHandle
-from tierstore._malloc import return_freed_memory_to_os
+from tierstore._malloc import trim_soon
 from tierstore._spilldir import SpillDirectory, check_parent, sweep_stale
 from tierstore._state import TERMINAL, TRANSIT, TensorState, Tier, transition
 from tierstore._stats import StoreStats, TierStats
@@ -62,6 +62,7 @@ from tierstore.tiers._device import (
     host_buffer,
     ready_event,
 )
+from tierstore.tiers._hostpool import HostPool
 
 if TYPE_CHECKING:
     from tierstore.config import StoreConfig
@@ -210,8 +211,10 @@ class StoreCore:
         self._spill_dirs: list[SpillDirectory] = []
         self._engine: DiskEngine | None = None
         self._disk_cap = 0
+        # Read buffers are reused once their tensors die (Note: [Buffers come back when the
+        # last tensor goes]); keep about a prefetch window of them.
+        self._read_pool = HostPool(keep_bytes=max(config.prefetch_bytes, 64 << 20))
         self._open_disk()
-        return_freed_memory_to_os()
 
     # ------------------------------------------------------------------ disk tier set-up
 
@@ -634,6 +637,7 @@ class StoreCore:
                 self._set_state(e, S.DISK)
             self._plan_down()
             self._plan_prefetch()
+        trim_soon()  # Note: [Returning host memory]
 
     def _disk_failed(self, e: _Entry, footprint: int, exc: BaseException) -> None:
         self._disk_failed_at = time.monotonic()
@@ -782,7 +786,10 @@ class StoreCore:
         try:
             if from_disk:
                 assert self._engine is not None
-                buf = host_buffer(e.nbytes, pinned=e.device.type == "cuda")
+                if e.device.type == "cpu":
+                    buf = self._read_pool.take(e.nbytes)
+                else:
+                    buf = host_buffer(e.nbytes, pinned=True)
                 await self._engine.read(e.key, buf)
                 t = from_bytes(buf, e.dtype, e.shape)
             else:
@@ -882,6 +889,8 @@ class StoreCore:
         self._plan_prefetch()
 
     def _free_copies(self, e: _Entry) -> None:
+        if e.host is not None or e.data is not None:
+            trim_soon()  # Note: [Returning host memory]
         self._in_transit_released.discard(e)
         self._set_data(e, None)
         self._set_host(e, None)

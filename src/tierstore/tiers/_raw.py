@@ -176,6 +176,10 @@ class _SpillFile:
         self.path = directory / SPILL_FILE
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         self.fd = os.open(self.path, flags | (_O_DIRECT if direct else 0), 0o600)
+        if not direct:
+            # Reads are whole chunks already; readahead would only pull neighbouring extents
+            # into the page cache, which spilling is meant to empty.
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         self.direct = direct
         self.extents = _Extents()
         self.grow_lock = threading.Lock()
@@ -248,7 +252,9 @@ class _BounceBuffer:
     """A page-aligned buffer of one chunk, reused for every unaligned O_DIRECT transfer."""
 
     def __init__(self, nbytes: int) -> None:
-        self._map = mmap.mmap(-1, nbytes)
+        # Private, not the default shared mapping: shared anonymous memory is shmem, which
+        # /proc/meminfo counts as page cache ("Cached"), and it would be inherited on fork.
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self.address = ctypes.addressof(self._anchor)
         self.view = memoryview(self._map)
@@ -308,7 +314,7 @@ class RawEngine(DiskEngine):
     Args:
         directories: private spill directories, one per ``TIERSTORE_DISK_DIR`` entry; chunks
             are striped across them.
-        config: ``io_threads`` (default 4), ``io_chunk_bytes`` (default 8 MiB), ``direct_io``
+        config: ``io_threads`` (default 8), ``io_chunk_bytes`` (default 8 MiB), ``direct_io``
             (``auto`` uses O_DIRECT where the filesystem takes it, otherwise buffered I/O with
             ``posix_fadvise(DONTNEED)``; ``on`` insists; ``off`` never tries) and ``checksum``
             (``crc32c`` per chunk, or ``none``).
@@ -533,7 +539,8 @@ class RawEngine(DiskEngine):
                 blob.crcs[i] = crc32c(src, c.length)
             _pwrite_all(c.file.fd, view[c.start : c.start + c.length], c.offset)
             if not c.file.direct:
-                _drop_cached(c.file.fd, c.offset, c.length, dirty=True)
+                # The whole padded extent: DONTNEED keeps partly covered pages.
+                _drop_cached(c.file.fd, c.offset, _pad(c.length), dirty=True)
             return
         # See Note: [Bounce buffers] and Note: [True size and padded size].
         buf = self._bounce.get()
@@ -553,7 +560,7 @@ class RawEngine(DiskEngine):
         if not c.file.direct or (dst % PAGE == 0 and c.length % PAGE == 0):
             _pread_all(c.file.fd, view[c.start : c.start + c.length], c.offset, c.file.path)
             if not c.file.direct:
-                _drop_cached(c.file.fd, c.offset, c.length, dirty=False)
+                _drop_cached(c.file.fd, c.offset, _pad(c.length), dirty=False)
             self._verify(blob, i, dst)
             return
         buf = self._bounce.get()

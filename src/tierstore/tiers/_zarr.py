@@ -77,7 +77,7 @@ class ZarrEngine(DiskEngine):
 
     Args:
         directories: private spill directories; arrays are spread over them by key.
-        config: ``io_threads`` (default 4) threads run zarr; ``io_chunk_bytes`` (default
+        config: ``io_threads`` (default 8) threads run zarr; ``io_chunk_bytes`` (default
             8 MiB) sizes the chunks; ``checksum`` (default ``crc32c``) adds the crc32c codec.
 
     Raises:

@@ -1,0 +1,8 @@
+"""Training adapters: saved-tensor hooks and activation checkpointing backed by a TieredStore."""
+
+from __future__ import annotations
+
+from tierstore.adapters._checkpoint import checkpoint
+from tierstore.adapters._hooks import offload_activations
+
+__all__ = ["checkpoint", "offload_activations"]

@@ -1,0 +1,100 @@
+"""What the adapters share: which store, which tensors are worth moving, how skips are counted."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierstore.config import MiB
+
+if TYPE_CHECKING:
+    from tierstore._sync import TieredStore
+
+__all__ = [
+    "NO_ROOM",
+    "PARAMETER",
+    "SMALL",
+    "UNSUPPORTED",
+    "check_min_bytes",
+    "min_bytes_of",
+    "resolve_store",
+    "unsupported_reason",
+    "warn_no_room",
+]
+
+log = logging.getLogger("tierstore")
+
+# Reasons an adapter leaves a tensor where it is; they are the keys of StoreStats.skipped.
+SMALL = "below_min_bytes"
+PARAMETER = "parameter_or_buffer"
+UNSUPPORTED = "unsupported"
+NO_ROOM = "no_room"
+
+
+def resolve_store(store: TieredStore | None) -> TieredStore:
+    """``store``, or the process-wide default store when it is None."""
+    if store is not None:
+        return store
+    from tierstore._sync import default_store
+
+    return default_store()
+
+
+def check_min_bytes(min_bytes: object) -> None:
+    """Raise ValueError unless ``min_bytes`` is None or a non-negative integer."""
+    if min_bytes is not None and (
+        isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0
+    ):
+        raise ValueError(f"min_bytes={min_bytes!r}: expected a non-negative number of bytes")
+
+
+def min_bytes_of(store: TieredStore, min_bytes: int | None) -> int:
+    """The adapter's threshold: the explicit value, else the store's configured ``min_bytes``."""
+    check_min_bytes(min_bytes)
+    if min_bytes is not None:
+        return min_bytes
+    config = getattr(store, "config", None)
+    value = getattr(config, "min_bytes", None)
+    return value if isinstance(value, int) else MiB
+
+
+def unsupported_reason(t: torch.Tensor) -> str | None:
+    """Why the store could not hold ``t`` as plain strided bytes, or None when it can."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return f"subclass {type(t).__name__}"
+    if t.layout != torch.strided:
+        return f"layout {t.layout}"
+    if t.is_meta:
+        return "meta tensor"
+    if t.is_quantized:
+        return "quantized tensor"
+    if t.is_nested:
+        return "nested tensor"
+    if t.is_conj() or t.is_neg():
+        # The lazy conjugate/negative bit is not part of the bytes; rebuilding would lose it.
+        return "lazy conj/neg bit"
+    return None
+
+
+_warned_lock = threading.Lock()
+_warned: set[int] = set()
+
+
+def warn_no_room(store: TieredStore, t: torch.Tensor, err: BaseException) -> None:
+    """Warn once per store that a tensor stayed in place because no tier had room."""
+    with _warned_lock:
+        if id(store) in _warned:
+            return
+        _warned.add(id(store))
+    msg = (
+        f"tierstore: no tier had room for a {tuple(t.shape)} {t.dtype} tensor on {t.device} "
+        f"({err}); it stays where it is and training goes on. Raise TIERSTORE_HOST_BYTES or "
+        "TIERSTORE_DISK_BYTES; stats().skipped['no_room'] counts every such tensor. "
+        "This warning is shown once per store."
+    )
+    log.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -1,0 +1,218 @@
+"""Offloading one saved tensor: its whole storage goes into the store once, views come back exact.
+
+Note: [One storage, one entry]
+    Autograd often saves several tensors that share one storage: a tensor and its transpose,
+    the three chunks of a fused QKV projection, a view and its base, one attention mask handed
+    to every checkpointed layer. Each storage is put into the store once, as flat bytes, and
+    every saved tensor becomes a small record (dtype, size, stride, offset) pointing at that
+    entry; unpack rebuilds it with ``as_strided``. So nothing is stored twice, strides come back
+    exactly (a transposed operand must stay transposed or matmul may round differently), and
+    once the forward drops its own references the whole base storage is gone from memory, views
+    of a larger base included. A storage is matched by a weak reference to it plus its version
+    counter, so neither a freed storage whose address was reused nor a storage written in place
+    since it was saved can be mistaken for the stored one.
+
+Note: [The graph owns the entries]
+    What the adapters hand to autograd (a :class:`Saved` record) is owned by the graph and by
+    nothing else: tables, sessions and prefetch lists hold only weak references. When the graph
+    goes (after backward, or without backward: eval, an exception, a dropped loss) the records
+    go, their handles go, and the store releases the entries. Nothing that outlives a step holds
+    a container of tensors or handles.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from tierstore.adapters._common import (
+    NO_ROOM,
+    PARAMETER,
+    SMALL,
+    UNSUPPORTED,
+    unsupported_reason,
+    warn_no_room,
+)
+from tierstore.errors import TierFullError, UnsupportedTensorError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from tierstore._handle import TensorHandle
+    from tierstore._sync import TieredStore
+
+__all__ = ["Saved", "StorageTable", "Stored", "is_parameter"]
+
+
+class Stored:
+    """One storage held in the store. Its handle lives exactly as long as this object."""
+
+    __slots__ = ("__weakref__", "_cache", "_lock", "before_first_get", "handle", "store")
+
+    def __init__(self, store: TieredStore, handle: TensorHandle) -> None:
+        self.store = store
+        self.handle = handle
+        self.before_first_get: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        self._cache: weakref.ref[torch.Tensor] | None = None
+
+    def flat(self) -> torch.Tensor:
+        """The storage's bytes back on their device; fetched once while any view of them lives."""
+        with self._lock:
+            flat = self._cache() if self._cache is not None else None
+            if flat is None:
+                if self.before_first_get is not None:
+                    self.before_first_get()
+                    self.before_first_get = None
+                flat = self.store.get(self.handle)
+                # Weak: the views autograd holds keep the bytes alive, and nothing else does.
+                self._cache = weakref.ref(flat)
+            return flat
+
+
+class Saved:
+    """A saved tensor that was offloaded: where it sits inside a stored storage.
+
+    Note: [Version check]
+        With saved-tensor hooks installed, autograd no longer checks that a saved tensor was
+        not modified in place before backward; it trusts what unpack returns. So the record
+        keeps the version counter seen at pack and a weak reference to the tensor: if the
+        tensor is still alive at unpack and was written since, unpack raises the error autograd
+        raises without hooks, instead of returning the bytes as they were (disk) or as they
+        are now (a tier that holds the tensor itself).
+    """
+
+    __slots__ = ("dtype", "offset", "size", "source", "stored", "stride", "version")
+
+    def __init__(self, stored: Stored, t: torch.Tensor) -> None:
+        self.stored = stored
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.version = t._version
+        self.source = weakref.ref(t)
+
+    def tensor(self) -> torch.Tensor:
+        """The saved tensor again: same device, dtype, shape, strides and bytes.
+
+        Raises:
+            RuntimeError: the tensor was modified in place after it was saved.
+        """
+        source = self.source()
+        if source is not None and source._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{source.type()} {list(source.shape)}] is at version "
+                f"{source._version}; expected version {self.version} instead "
+                "(tierstore.offload_activations checks this as autograd does)"
+            )
+        flat = self.stored.flat()
+        with torch.no_grad():
+            return flat.view(self.dtype).as_strided(self.size, self.stride, self.offset)
+
+
+def is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (``weight.t()`` is what ``linear`` saves)."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
+class StorageTable:
+    """Which storages are in the store now; see Note: [One storage, one entry].
+
+    Holds weak references only (Note: [The graph owns the entries]); an entry leaves the table
+    when its :class:`Stored` dies. Safe to use from several threads.
+    """
+
+    __slots__ = ("__weakref__", "_by_storage", "_excluded", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_storage: dict[int, tuple[StorageWeakRef, int, weakref.ref[Stored]]] = {}
+        self._excluded: dict[int, StorageWeakRef] = {}
+
+    def exclude(self, t: torch.Tensor) -> None:
+        """Never offload tensors on ``t``'s storage (a module's buffer: it stays alive anyway)."""
+        if t.layout == torch.strided and not t.is_meta and type(t) is torch.Tensor:
+            ref = StorageWeakRef(t.untyped_storage())  # type: ignore[no-untyped-call]
+            with self._lock:
+                self._excluded[ref.cdata] = ref
+
+    def offload(
+        self,
+        store: TieredStore,
+        t: torch.Tensor,
+        min_bytes: int,
+        on_new: Callable[[Stored], None] | None = None,
+    ) -> Saved | torch.Tensor:
+        """Put ``t``'s storage into ``store`` (once) and return its record, or ``t`` itself.
+
+        ``t`` itself comes back when it is not worth or not possible to move; the reason is
+        counted with ``store.note_skipped``. ``on_new`` is called with each newly stored storage.
+        """
+        nbytes = t.numel() * t.element_size()
+        if nbytes < min_bytes:
+            if nbytes:
+                store.note_skipped(SMALL, nbytes)
+            return t
+        if is_parameter(t):
+            store.note_skipped(PARAMETER, nbytes)
+            return t
+        if unsupported_reason(t) is not None:
+            store.note_skipped(UNSUPPORTED, nbytes)
+            return t
+        storage = t.untyped_storage()
+        if storage.nbytes() % t.element_size():
+            store.note_skipped(UNSUPPORTED, nbytes)
+            return t
+        ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+        version = t._version
+        with self._lock:
+            excluded = self._excluded.get(ref.cdata)
+            known = self._by_storage.get(ref.cdata)
+        if excluded is not None and not excluded.expired():  # type: ignore[no-untyped-call]
+            store.note_skipped(PARAMETER, nbytes)
+            return t
+        if known is not None:
+            known_ref, known_version, known_stored = known
+            stored = known_stored()
+            # The weak storage reference pins the id, so a live match is the very same storage.
+            alive = not known_ref.expired()  # type: ignore[no-untyped-call]
+            if stored is not None and alive and known_version == version:
+                return Saved(stored, t)
+        flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        try:
+            handle = store.put(flat)
+        except TierFullError as err:
+            store.note_skipped(NO_ROOM, nbytes)
+            warn_no_room(store, t, err)
+            return t
+        except UnsupportedTensorError:
+            store.note_skipped(UNSUPPORTED, nbytes)
+            return t
+        del flat
+        stored = Stored(store, handle)
+        if on_new is not None:
+            on_new(stored)
+        key = ref.cdata
+        table = weakref.ref(self)
+
+        def forget(dead: weakref.ref[Stored]) -> None:
+            owner = table()
+            if owner is not None:
+                with owner._lock:
+                    entry = owner._by_storage.get(key)
+                    if entry is not None and entry[2] is dead:
+                        del owner._by_storage[key]
+
+        with self._lock:
+            self._by_storage[key] = (ref, version, weakref.ref(stored, forget))
+        return Saved(stored, t)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_storage)

@@ -1,0 +1,90 @@
+"""Reusable page-aligned host buffers for tensors read back from disk.
+
+Note: [Buffers come back when the last tensor goes]
+    ``get`` hands its caller a tensor the caller owns, so a read cannot go into a buffer the
+    store keeps. But fresh memory is slow: on the development machine a new 16 MiB mapping is
+    filled at 1-2.4 GB/s (page faults), a reused one at ~20 GB/s. Each buffer here is an
+    anonymous ``mmap`` wrapped by ``torch.frombuffer``, and every storage made from it holds a
+    reference to the ``mmap`` object until the storage dies, views included. So a buffer whose
+    reference count is back to the pool's own is free to reuse, and a tensor still in use is
+    never overwritten. Buffers are page-aligned, so O_DIRECT reads land in them directly.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import threading
+
+import torch
+
+__all__ = ["HostPool"]
+
+_PAGE = mmap.PAGESIZE
+_HUGE = 2 << 20
+
+
+def _new_map(size: int) -> mmap.mmap:
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if size >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        # Where transparent huge pages are "madvise", this makes first touch 2-5x cheaper.
+        m.madvise(mmap.MADV_HUGEPAGE)
+    return m
+
+
+def _refs(maps: list[mmap.mmap], i: int) -> int:
+    return sys.getrefcount(maps[i])
+
+
+# The count of a buffer held only by the pool's list, measured the way ``take`` measures it.
+_FREE_REFS = _refs([mmap.mmap(-1, _PAGE)], 0)
+
+
+class HostPool:
+    """Page-aligned host buffers, reused once no tensor refers to them.
+
+    Args:
+        keep_bytes: free buffers kept for reuse beyond this many bytes are unmapped, so the
+            pool never holds much more memory than the reads in flight need.
+    """
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._maps: dict[int, list[mmap.mmap]] = {}
+        self._lock = threading.Lock()
+        self.mapped_bytes = 0
+        self.reused = 0
+        self.created = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A 1-D ``uint8`` tensor of ``nbytes`` on a page-aligned buffer nobody else uses."""
+        size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        with self._lock:
+            maps = self._maps.setdefault(size, [])
+            for i in range(len(maps)):
+                if _refs(maps, i) <= _FREE_REFS:
+                    self.reused += 1
+                    return torch.frombuffer(maps[i], dtype=torch.uint8, count=nbytes)
+            self._trim(size)
+            m = _new_map(size)
+            maps.append(m)
+            self.mapped_bytes += size
+            self.created += 1
+        return torch.frombuffer(m, dtype=torch.uint8, count=nbytes)
+
+    def _trim(self, incoming: int) -> None:
+        """Unmap free buffers while the pool would exceed ``keep_bytes``."""
+        for size, maps in self._maps.items():
+            i = 0
+            while i < len(maps) and self.mapped_bytes + incoming > self.keep_bytes:
+                if _refs(maps, i) <= _FREE_REFS:
+                    maps.pop(i).close()
+                    self.mapped_bytes -= size
+                else:
+                    i += 1
+
+    def clear(self) -> None:
+        """Forget every buffer; buffers still used by tensors are unmapped when those die."""
+        with self._lock:
+            self._maps.clear()
+            self.mapped_bytes = 0

@@ -1,0 +1,120 @@
+"""Helpers of the adapter tests: stores with one tier forced, a tiny decoder with dropout."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import tierstore
+
+TIERS = ("device", "host", "disk")
+
+
+def make_store(tier: str, disk_dir: Path, **overrides: object) -> tierstore.TieredStore:
+    """A store whose every entry lands in ``tier`` (min_bytes=0: everything is eligible)."""
+    capacities: dict[str, object] = {
+        "device": {"device_bytes": "unlimited"},
+        "host": {"device_bytes": 0, "host_bytes": "unlimited"},
+        "disk": {"device_bytes": 0, "host_bytes": 0},
+    }[tier]  # type: ignore[assignment]
+    settings: dict[str, object] = {"min_bytes": 0, "disk_dir": str(disk_dir)}
+    settings.update(capacities)  # type: ignore[arg-type]
+    settings.update(overrides)
+    return tierstore.TieredStore(**settings)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` until it holds (the store moves tensors on its own threads)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+def settled(store: tierstore.TieredStore) -> tierstore.StoreStats:
+    """Stats once releases queued by dropped handles have been applied."""
+    wait_for(lambda: store.stats().live_entries == 0, timeout=5.0)
+    return store.stats()
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: fused QKV (three views of one storage), causal mask buffer."""
+
+    def __init__(self, dim: int, heads: int, seq: int, p: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(p)
+        self.register_buffer("mask", torch.ones(seq, seq, dtype=torch.bool).tril())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(~self.mask[:s, :s], float("-inf")).softmax(-1)
+        y = (self.drop(att) @ v).transpose(1, 2).reshape(b, s, d)
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.ln2(x)))))
+
+
+class TinyDecoder(nn.Module):
+    """A decoder-only transformer small enough for many steps on two cores."""
+
+    def __init__(
+        self, vocab: int = 97, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16,
+        p: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads, seq, p) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(
+        self, ids: torch.Tensor, layer_call: Callable[..., torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        x = self.embed(ids) + self.pos[: ids.shape[1]]
+        for block in self.blocks:
+            x = block(x) if layer_call is None else layer_call(block, x)
+        return self.head(self.ln(x))
+
+    def loss(
+        self, ids: torch.Tensor, layer_call: Callable[..., torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        logits = self(ids[:, :-1], layer_call)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def model_and_batch(seed: int = 0, batch: int = 4, **kwargs: int | float) -> tuple[
+    TinyDecoder, torch.Tensor
+]:
+    torch.manual_seed(seed)
+    model = TinyDecoder(**kwargs)  # type: ignore[arg-type]
+    seq = int(kwargs.get("seq", 16))
+    ids = torch.randint(0, model.head.out_features, (batch, seq + 1))
+    return model, ids
+
+
+def grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def assert_equal_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b) and a
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.dtype == y.dtype and x.shape == y.shape, i
+        assert torch.equal(x, y), f"tensor {i} differs: max |diff| {(x - y).abs().max().item()}"

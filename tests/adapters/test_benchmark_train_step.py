@@ -1,0 +1,42 @@
+"""benchmarks/train_step.py runs tiny, every mode, and writes one JSON line per mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "results.jsonl"
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [
+            sys.executable, str(ROOT / "benchmarks" / "train_step.py"),
+            "--device", "cpu", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "64",
+            "--batch", "2", "--vocab", "64", "--warmup", "0", "--steps", "2", "--rounds", "1",
+            "--threads", "1", "--min-bytes", "4096", "--disk-dir", str(spill),
+            "--json", str(out),
+        ],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    by_mode = {r["mode"]: r for r in rows}
+    assert list(by_mode) == ["none", "save_on_cpu", "torch_ckpt", "ts_host", "ts_disk", "ts_ckpt"]
+    for r in rows:
+        assert r["rounds"] == 1 and len(r["step_s"]) == 2 and r["step_s_median"] > 0
+        assert r["peak_rss_bytes"] >= r["rss_before_bytes"] > 0
+        assert r["saved_activation_bytes"] > 0
+    for mode in ("ts_host", "ts_disk", "ts_ckpt"):
+        assert by_mode[mode]["offloaded_bytes_per_step"] > 0, mode
+    assert by_mode["ts_disk"]["bytes_to_disk_per_step"] > 0
+    assert by_mode["ts_host"]["bytes_to_disk_per_step"] == 0
+    assert "peak RSS MiB" in proc.stdout
+    assert list(spill.iterdir()) == []

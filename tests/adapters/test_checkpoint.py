@@ -1,0 +1,289 @@
+"""tierstore.checkpoint: identical gradients with dropout, arguments, outputs, no recursion.
+
+See Note: [Checkpoint without recursion] and Note: [Every input is an input] in
+src/tierstore/adapters/_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _adapters_util import (
+    TIERS,
+    assert_equal_tensors,
+    grads,
+    model_and_batch,
+    settled,
+    wait_for,
+)
+from torch import nn
+
+import tierstore
+
+StoreFactory = Callable[..., tierstore.TieredStore]
+
+
+def train_steps(store: tierstore.TieredStore | None, steps: int = 2) -> list[torch.Tensor]:
+    """SGD steps of the tiny decoder with dropout, each block checkpointed when ``store``."""
+    model, ids = model_and_batch(p=0.2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return tierstore.checkpoint(block, x, store=store)
+
+    out: list[torch.Tensor] = []
+    for step in range(steps):
+        torch.manual_seed(200 + step)
+        opt.zero_grad()
+        loss = model.loss(ids, layer_call=None if store is None else call)
+        if store is not None:
+            assert wait_for(lambda: store.stats().inflight_bytes == 0)
+        loss.backward()
+        out += grads(model)
+        opt.step()
+    return out
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_grads_equal_with_dropout_and_each_tier(store_factory: StoreFactory, tier: str) -> None:
+    expected = train_steps(None)
+    store = store_factory(tier)
+    assert_equal_tensors(expected, train_steps(store))
+    stats = settled(store)
+    assert stats.puts > 0 and stats.live_entries == 0
+    if tier == "disk":
+        assert stats.bytes_to_disk == stats.bytes_put and stats.bytes_from_disk > 0
+
+
+def test_without_preserving_rng_dropout_differs(store_factory: StoreFactory) -> None:
+    # The control for the test above: the RNG restore is what makes the gradients identical.
+    store = store_factory("host")
+    drop = nn.Dropout(0.5)
+    x = torch.randn(256, requires_grad=True)
+    torch.manual_seed(0)
+    y = tierstore.checkpoint(drop, x, store=store, preserve_rng_state=False)
+    mask_fwd = y != 0
+    torch.randn(1000)  # advance the RNG between forward and backward
+    y.sum().backward()
+    assert x.grad is not None
+    assert not torch.equal(x.grad != 0, mask_fwd)
+
+
+def test_kwargs_nested_outputs_and_non_tensor_arguments(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    lin = nn.Linear(16, 16)
+
+    def fn(
+        x: torch.Tensor, pair: tuple[torch.Tensor, int], *, scale: float, bias: torch.Tensor
+    ) -> dict[str, Any]:
+        h = lin(x) * scale + bias * pair[1]
+        return {"h": h, "parts": (h.relu(), None, pair[1]), "idx": h.argmax(-1)}
+
+    x = torch.randn(8, 16, requires_grad=True)
+    other = torch.randn(8, 16, requires_grad=True)
+    bias = torch.randn(16, requires_grad=True)
+
+    def loss_of(out: dict[str, Any]) -> torch.Tensor:
+        assert out["parts"][1] is None and out["parts"][2] == 3
+        assert out["idx"].dtype == torch.int64 and not out["idx"].requires_grad
+        return out["h"].sum() + out["parts"][0].pow(2).sum()
+
+    expected = torch.autograd.grad(
+        loss_of(fn(x, (other, 3), scale=0.5, bias=bias)), [x, bias, lin.weight]
+    )
+    out = tierstore.checkpoint(fn, x, (other, 3), store=store, scale=0.5, bias=bias)
+    loss_of(out).backward()
+    assert other.grad is None  # passed but unused, as without checkpointing
+    got = [x.grad, bias.grad, lin.weight.grad]
+    assert all(g is not None for g in got)
+    assert_equal_tensors(list(expected), got)  # type: ignore[arg-type]
+
+
+def test_tensors_bound_in_a_partial_get_their_gradients(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def fn(x: torch.Tensor, *, weight: torch.Tensor) -> torch.Tensor:
+        return (x @ weight).tanh()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    (ex, ew) = torch.autograd.grad(fn(x, weight=w).sum(), [x, w])
+    y = tierstore.checkpoint(functools.partial(fn, weight=w), x, store=store)
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None
+    assert torch.equal(x.grad, ex) and torch.equal(w.grad, ew)
+
+
+def test_inputs_not_requiring_grad_still_train_the_parameters(
+    store_factory: StoreFactory,
+) -> None:
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.3), nn.GELU(), nn.Linear(64, 32))
+    x = torch.randn(16, 32)  # frozen embeddings: no grad
+    torch.manual_seed(1)
+    layer(x).pow(2).sum().backward()
+    expected = grads(layer)
+    layer.zero_grad()
+    torch.manual_seed(1)
+    y = tierstore.checkpoint(layer, x, store=store)
+    assert y.requires_grad
+    y.pow(2).sum().backward()
+    assert_equal_tensors(expected, grads(layer))
+    assert store.stats().puts == 1  # x is stored even though it needs no grad
+
+
+class Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x).relu()
+
+
+def test_wrapping_a_modules_forward_does_not_recurse(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    layer = Counting()
+    x = torch.randn(4, 32, requires_grad=True)
+    (expected,) = torch.autograd.grad(layer(x).sum(), [layer.lin.weight])
+    layer.calls = 0
+    # The usual way to wrap: the instance's forward calls checkpoint on the module itself.
+    layer.forward = functools.partial(tierstore.checkpoint, layer, store=store)  # type: ignore[method-assign]
+    y = layer(x)
+    assert layer.calls == 1
+    y.sum().backward()
+    assert layer.calls == 2  # forward once, recompute once
+    assert layer.lin.weight.grad is not None
+    assert torch.equal(layer.lin.weight.grad, expected)
+
+
+def test_a_layer_that_checkpoints_itself_inside_checkpoint(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+
+    class SelfCheckpointing(Counting):
+        # As transformers' GradientCheckpointingLayer does: forward hands
+        # partial(<class forward>, self) to the checkpoint function.
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            return tierstore.checkpoint(functools.partial(Counting.forward, self), x, store=store)
+
+    layer = SelfCheckpointing()
+    x = torch.randn(4, 32, requires_grad=True)
+    y = tierstore.checkpoint(layer, x, store=store)  # checkpointing it once more from outside
+    assert layer.calls == 1
+    assert store.stats().puts == 1  # checkpointed once, not twice
+    y.sum().backward()
+    assert layer.calls == 2
+    assert x.grad is not None
+
+
+def test_eval_and_no_grad_store_nothing(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    layer = Counting()
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        y = tierstore.checkpoint(layer, x, store=store)
+    assert not y.requires_grad and store.stats().puts == 0
+    layer.eval()
+    y = tierstore.checkpoint(layer, x, store=store)  # eval mode, grad on: a graph, no backward
+    assert store.stats().live_entries == 1
+    del y
+    assert settled(store).live_entries == 0
+
+
+def test_forward_without_backward_and_exceptions_free_everything(
+    store_factory: StoreFactory,
+) -> None:
+    store = store_factory("disk")
+    model, ids = model_and_batch()
+
+    def call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return tierstore.checkpoint(block, x, store=store)
+
+    for _ in range(3):
+        loss = model.loss(ids, layer_call=call)
+        assert store.stats().live_entries > 0
+        del loss
+        assert settled(store).live_entries == 0
+
+    def failing(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if block is model.blocks[1]:
+            raise KeyError("boom")
+        return call(block, x)
+
+    with pytest.raises(KeyError) as info:
+        model.loss(ids, layer_call=failing)
+    del info
+    assert settled(store).live_entries == 0
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_retain_graph_second_backward(store_factory: StoreFactory, tier: str) -> None:
+    store = store_factory(tier)
+    model, ids = model_and_batch(p=0.2)
+    torch.manual_seed(4)
+    loss = model.loss(ids)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    expected = grads(model)
+    model.zero_grad()
+
+    def call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return tierstore.checkpoint(block, x, store=store)
+
+    torch.manual_seed(4)
+    loss = model.loss(ids, layer_call=call)
+    loss.backward(retain_graph=True)
+    assert store.stats().live_entries > 0
+    loss.backward()
+    assert_equal_tensors(expected, grads(model))
+    del loss
+    assert settled(store).live_entries == 0
+
+
+def test_one_tensor_given_to_every_layer_is_stored_once(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    layers = [nn.Linear(64, 64) for _ in range(4)]
+    mask = torch.rand(32, 64)  # like an attention mask handed to each layer
+
+    def layer_fn(layer: nn.Module, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        return layer(x) * mask
+
+    x = torch.randn(32, 64, requires_grad=True)
+    h = x
+    for layer in layers:
+        h = tierstore.checkpoint(functools.partial(layer_fn, layer), h, store=store, mask=mask)
+    # Four layer inputs plus the mask once (not four times).
+    assert store.stats().puts == 5
+    h.sum().backward()
+    assert x.grad is not None
+
+
+def test_torch_autograd_grad_is_refused_clearly(store_factory: StoreFactory) -> None:
+    store = store_factory("host")
+    x = torch.randn(4, 32, requires_grad=True)
+    y = tierstore.checkpoint(Counting(), x, store=store)
+    with pytest.raises(RuntimeError, match=r"backward\(\) without inputs|\.backward\(\)"):
+        torch.autograd.grad(y.sum(), x)
+
+
+def test_store_empty_after_each_of_100_steps(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    model, ids = model_and_batch(batch=2, dim=32, seq=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return tierstore.checkpoint(block, x, store=store)
+
+    for step in range(100):
+        opt.zero_grad()
+        model.loss(ids, layer_call=call).backward()
+        opt.step()
+        assert settled(store).live_entries == 0, step
+    assert store.stats().puts == 100 * len(model.blocks)

@@ -1,0 +1,513 @@
+"""offload_activations: DESIGN.md invariants 1-6, eligibility, sharing, prefetch, visibility.
+
+See Note: [One storage, one entry] and Note: [The graph owns the entries] in
+src/tierstore/adapters/_storage.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from _adapters_util import (
+    TIERS,
+    assert_equal_tensors,
+    grads,
+    model_and_batch,
+    settled,
+    wait_for,
+)
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import tierstore
+
+StoreFactory = Callable[..., tierstore.TieredStore]
+
+
+def train_steps(
+    store: tierstore.TieredStore | None, steps: int = 2, *, seed_each_step: bool = True,
+    **model_kwargs: Any,
+) -> list[torch.Tensor]:
+    """Run a few SGD steps of the tiny decoder (dropout on); return all grads of every step."""
+    model, ids = model_and_batch(**model_kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: list[torch.Tensor] = []
+    for step in range(steps):
+        if seed_each_step:
+            torch.manual_seed(100 + step)
+        opt.zero_grad()
+        if store is None:
+            loss = model.loss(ids)
+        else:
+            with tierstore.offload_activations(store):
+                loss = model.loss(ids)
+            # Let every write land, so that backward really reads the slowest tier back.
+            assert wait_for(lambda: store.stats().inflight_bytes == 0)
+        loss.backward()
+        out += grads(model)
+        opt.step()
+    return out
+
+
+# -- invariant: gradients are bit-identical, with each tier forced in turn -----------------
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_grads_equal_to_no_offload_with_each_tier(store_factory: StoreFactory, tier: str) -> None:
+    expected = train_steps(None)
+    store = store_factory(tier)
+    got = train_steps(store)
+    assert_equal_tensors(expected, got)
+    stats = settled(store)
+    placed = {"device": stats.device, "host": stats.host, "disk": stats.disk}
+    assert placed[tier].total_entries == stats.puts > 0
+    # Entries pass through the faster tiers on their way down and never reach a slower one.
+    slower = TIERS[TIERS.index(tier) + 1 :]
+    assert sum(placed[name].total_entries for name in slower) == 0
+    if tier == "disk":
+        assert stats.bytes_to_disk == stats.bytes_put
+        assert stats.bytes_from_disk >= stats.bytes_to_disk
+    assert stats.live_entries == 0
+
+
+# -- invariant 1: memory flat across steps --------------------------------------------------
+
+
+def test_memory_flat_over_200_steps_with_disk_tier(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    # ~1.7 MB saved per step: a leak of one step's activations would add >300 MB.
+    model, ids = model_and_batch(batch=4, dim=64, seq=32, layers=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    proc = psutil.Process()
+    rss: list[int] = []
+    per_step = 0
+    for step in range(220):
+        opt.zero_grad()
+        with tierstore.offload_activations(store):
+            loss = model.loss(ids)
+        loss.backward()
+        opt.step()
+        del loss
+        stats = settled(store)
+        assert stats.live_entries == 0, f"step {step}: {stats.live_entries} entries left"
+        if step == 0:
+            per_step = stats.bytes_put
+        rss.append(proc.memory_info().rss)
+    assert per_step > 1 << 20
+    assert store.stats().bytes_to_disk >= 200 * per_step
+    # Medians of windows: RSS wanders by ~10 MiB from step to step (allocator, I/O buffers),
+    # while leaking even one step's activations per step would add >300 MB by the end.
+    early, late = statistics.median(rss[20:70]), statistics.median(rss[-50:])
+    assert late - early < 16 << 20, f"RSS grew {(late - early) / 2**20:.1f} MiB over 150 steps"
+
+
+# -- invariant 2: views, shared storage, base storage freed ---------------------------------
+
+
+def test_tensors_sharing_a_storage_are_stored_once(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    x = torch.randn(64, 48, requires_grad=True)
+
+    def loss_of() -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 1.5  # one new storage...
+        z = y @ y.t()  # ...saved twice by mm: as y and as y.t()
+        q, k = y.chunk(2, dim=1)  # two views of it, both saved by mul
+        return z.sum() + (q * k).sum(), y
+
+    with tierstore.offload_activations(store):
+        loss, y = loss_of()
+    stats = store.stats()
+    assert stats.puts == 1, stats
+    assert stats.bytes_put == y.untyped_storage().nbytes()
+    (got,) = torch.autograd.grad(loss, x)
+    (expected,) = torch.autograd.grad(loss_of()[0], x)
+    assert torch.equal(got, expected)
+    del loss, y
+    assert settled(store).live_entries == 0
+
+
+def test_a_views_base_storage_is_freed(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    w = torch.randn(16, requires_grad=True)
+    base = torch.randn(1 << 18, 16)  # 16 MiB base; only a small view of it is saved
+    base_ref = StorageWeakRef(base.untyped_storage())
+    with tierstore.offload_activations(store):
+        view = base[1000:1064]
+        loss = (view * w).sum()  # mul saves the view (to compute w's gradient)
+    del base, view
+    # Once written, the only copy is in the spill file: the 16 MiB base is gone from memory.
+    assert wait_for(lambda: store.stats().disk.entries == 1)
+    gc.collect()
+    assert wait_for(base_ref.expired), "the view's base storage is still alive"
+    loss.backward()
+    assert w.grad is not None and w.grad.shape == (16,)
+    del loss
+    assert settled(store).live_entries == 0
+
+
+# -- invariant 4: device, dtype, shape, strides and values ----------------------------------
+
+
+class SaveAndCheck(torch.autograd.Function):
+    """Saves its input and checks in backward that it comes back exactly as it was."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.meta = (x.device, x.dtype, x.shape, x.stride(), x.storage_offset())
+        ctx.copy = x.detach().clone()
+        return x.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        assert (x.device, x.dtype, x.shape, x.stride(), x.storage_offset()) == ctx.meta
+        assert torch.equal(x, ctx.copy)
+        return grad
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64]
+)
+def test_device_dtype_shape_strides_and_values_restored(
+    store_factory: StoreFactory, tier: str, dtype: torch.dtype
+) -> None:
+    store = store_factory(tier)
+    base = torch.randn(9, 14, dtype=dtype)
+    x = base.t()[2:, 1:].requires_grad_()  # a strided view with an offset
+    with tierstore.offload_activations(store):
+        y = SaveAndCheck.apply(x)
+    assert store.stats().puts == 1
+    del base
+    (y.sum().real if dtype.is_complex else y.sum()).backward()
+    assert x.grad is not None and x.grad.dtype == dtype
+    del y
+    assert settled(store).live_entries == 0
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_integer_and_bool_tensors_restored(store_factory: StoreFactory, tier: str) -> None:
+    store = store_factory(tier)
+    src = torch.randn(50, 7, requires_grad=True)
+    idx = torch.randint(0, 50, (300,))
+    mask = torch.rand(50, 7) > 0.5
+
+    def loss_of() -> torch.Tensor:
+        return (src[idx] * 2).sum() + src.masked_fill(mask, 0).pow(2).sum()
+
+    (expected,) = torch.autograd.grad(loss_of(), src)
+    with tierstore.offload_activations(store):
+        loss = loss_of()
+    assert store.stats().puts >= 3  # idx (int64), mask (bool), src
+    (got,) = torch.autograd.grad(loss, src)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tier", TIERS)
+def test_cuda_tensor_returns_to_its_own_device_index(
+    store_factory: StoreFactory, tier: str
+) -> None:
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    store = store_factory(tier)
+    x = torch.randn(64, 64, device=device).t().requires_grad_()
+    with tierstore.offload_activations(store):
+        y = SaveAndCheck.apply(x)
+    y.sum().backward()
+    assert x.grad is not None and x.grad.device == device
+
+
+# -- invariant 5: forwards without backward leak nothing ------------------------------------
+
+
+def test_eval_no_grad_and_exceptions_leak_nothing(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    model, ids = model_and_batch()
+    model.eval()
+    for _ in range(3):
+        with tierstore.offload_activations(store):
+            loss = model.loss(ids)  # eval mode, grad on: a graph is built, never run
+        assert store.stats().live_entries > 0
+        del loss
+        assert settled(store).live_entries == 0
+    puts = store.stats().puts
+    with torch.no_grad(), tierstore.offload_activations(store):
+        model.loss(ids)
+    assert store.stats().puts == puts  # nothing is saved without a graph
+
+    class Boom(RuntimeError):
+        pass
+
+    def failing_forward() -> None:
+        with tierstore.offload_activations(store):
+            x = model(ids[:, :-1])
+            assert store.stats().live_entries > 0
+            raise Boom(x.shape)
+
+    with pytest.raises(Boom) as info:
+        failing_forward()
+    del info  # the traceback holds the frames that hold the graph
+    assert settled(store).live_entries == 0
+
+
+# -- invariant 6: retain_graph and a second backward ----------------------------------------
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_retain_graph_second_backward(store_factory: StoreFactory, tier: str) -> None:
+    store = store_factory(tier)
+    model, ids = model_and_batch()
+    torch.manual_seed(7)
+    loss = model.loss(ids)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    expected = grads(model)
+    model.zero_grad()
+    torch.manual_seed(7)
+    with tierstore.offload_activations(store):
+        loss = model.loss(ids)
+    loss.backward(retain_graph=True)
+    assert store.stats().live_entries > 0  # retained for the second backward
+    loss.backward()
+    assert_equal_tensors(expected, grads(model))
+    assert settled(store).live_entries == 0
+
+
+def test_double_backward_with_create_graph(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    x = torch.randn(32, 32, requires_grad=True)
+    (g,) = torch.autograd.grad(x.tanh().pow(3).sum(), x, create_graph=True)
+    (expected,) = torch.autograd.grad(g.sum(), x)
+    with tierstore.offload_activations(store):
+        y = x.tanh().pow(3).sum()
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+    (got,) = torch.autograd.grad(g.sum(), x)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_inplace_change_after_save_raises_as_without_hooks(
+    store_factory: StoreFactory, tier: str
+) -> None:
+    # See Note: [Version check] in src/tierstore/adapters/_storage.py.
+    store = store_factory(tier)
+    x = torch.randn(100, requires_grad=True)
+    y = x.exp()
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    with tierstore.offload_activations(store):
+        y = x.exp()  # exp saves its result
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+# -- eligibility and what is counted -------------------------------------------------------
+
+
+def test_parameters_buffers_and_small_tensors_stay_and_are_counted(
+    store_factory: StoreFactory,
+) -> None:
+    store = store_factory("disk", min_bytes=4096)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(256, 256)
+            self.register_buffer("scale", torch.rand(256, 256))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    m = Scaled()
+    x = torch.randn(256, 256, requires_grad=True)
+    tiny = torch.randn(4, requires_grad=True)
+    with tierstore.offload_activations(store):
+        loss = m(x).sum() + tiny.exp().sum()
+    stats = store.stats()
+    # Saved: x and lin.weight.t() by addmm; the buffer by mul; exp's result (16 bytes).
+    assert stats.skipped.get("parameter_or_buffer") == 2
+    assert stats.skipped_bytes["parameter_or_buffer"] == 2 * 256 * 256 * 4
+    assert stats.skipped.get("below_min_bytes") == 1
+    assert stats.puts == 1 and stats.bytes_put == 256 * 256 * 4  # x only
+    loss.backward()
+    assert m.lin.weight.grad is not None
+
+
+def test_min_bytes_defaults_to_the_stores(store_factory: StoreFactory) -> None:
+    store = store_factory("disk", min_bytes=1 << 20)
+    x = torch.randn(64, 64, requires_grad=True)
+    big = torch.randn(1024, 512, requires_grad=True)
+    with tierstore.offload_activations(store):
+        loss = x.exp().sum() + big.exp().sum()
+    assert store.stats().puts == 1
+    assert store.stats().skipped_bytes["below_min_bytes"] == 64 * 64 * 4
+    with tierstore.offload_activations(store, min_bytes=0):
+        loss2 = x.exp().sum()
+    assert store.stats().puts == 2
+    (loss + loss2).backward()
+    with pytest.raises(ValueError, match="min_bytes=-1"):
+        tierstore.offload_activations(store, min_bytes=-1)
+
+
+def test_unsupported_tensors_stay_and_are_counted(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    sparse = torch.randn(64, 64).relu().to_sparse()
+    dense = torch.randn(64, 32, requires_grad=True)
+    with tierstore.offload_activations(store):
+        loss = torch.sparse.mm(sparse, dense).sum()  # saves the sparse operand
+    assert store.stats().skipped.get("unsupported", 0) >= 1
+    loss.backward()
+    assert torch.equal(dense.grad, sparse.to_dense().t() @ torch.ones(64, 32))
+
+
+def test_no_room_keeps_the_tensor_counts_and_warns_once(store_factory: StoreFactory) -> None:
+    store = store_factory("disk", disk_bytes=0)
+    expected = train_steps(None)
+    with pytest.warns(RuntimeWarning, match="no tier had room") as record:
+        got = train_steps(store)
+    assert len([w for w in record if "no tier had room" in str(w.message)]) == 1
+    assert_equal_tensors(expected, got)
+    stats = store.stats()
+    assert stats.puts == 0
+    assert stats.skipped["no_room"] > 0
+
+
+# -- composition: torch.utils.checkpoint inside, autograd threads ---------------------------
+
+
+def test_torch_checkpoint_inside_the_block(store_factory: StoreFactory) -> None:
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    def call(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch_checkpoint(block, x, use_reentrant=False)
+        return out
+
+    model, ids = model_and_batch()
+    torch.manual_seed(3)
+    model.loss(ids).backward()
+    expected = grads(model)
+    model.zero_grad()
+    store = store_factory("disk")
+    torch.manual_seed(3)
+    with tierstore.offload_activations(store):
+        loss = model.loss(ids, layer_call=call)
+    assert store.stats().puts > 0  # what the checkpointed blocks return is offloaded
+    loss.backward()
+    assert_equal_tensors(expected, grads(model))
+    assert settled(store).live_entries == 0
+
+
+def test_training_on_several_threads_at_once(store_factory: StoreFactory) -> None:
+    # The global RNG is shared between threads: models are built first, and without dropout.
+    expected = train_steps(None, steps=3, seed_each_step=False, p=0.0)
+    store = store_factory("disk")
+    built = [model_and_batch(p=0.0) for _ in range(3)]
+    results: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def worker(i: int) -> None:
+        try:
+            model, ids = built[i]
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            out: list[torch.Tensor] = []
+            start.wait()
+            for _ in range(3):
+                opt.zero_grad()
+                with tierstore.offload_activations(store):
+                    loss = model.loss(ids)
+                loss.backward()
+                out += grads(model)
+                opt.step()
+            results[i] = out
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(3):
+        assert_equal_tensors(expected, results[i])
+    assert store.stats().puts > 0
+    assert settled(store).live_entries == 0
+
+
+# -- prefetch order and visibility ----------------------------------------------------------
+
+
+class RecordingStore:
+    """Forwards to a real store and records the order of get and prefetch calls."""
+
+    def __init__(self, store: tierstore.TieredStore) -> None:
+        self.inner = store
+        self.config = getattr(store, "config", None)
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def put(self, t: torch.Tensor) -> tierstore.TensorHandle:
+        return self.inner.put(t)
+
+    def get(self, h: tierstore.TensorHandle) -> torch.Tensor:
+        self.calls.append(("get", [h.key]))
+        return self.inner.get(h)
+
+    def prefetch(self, handles: list[tierstore.TensorHandle]) -> None:
+        self.calls.append(("prefetch", [h.key for h in handles]))
+        self.inner.prefetch(handles)
+
+    def note_skipped(self, reason: str, nbytes: int) -> None:
+        self.inner.note_skipped(reason, nbytes)
+
+
+def test_backward_gets_newest_first_and_prefetches_ahead(store_factory: StoreFactory) -> None:
+    store = RecordingStore(store_factory("disk"))
+    x = torch.randn(128, 128, requires_grad=True)
+    with tierstore.offload_activations(store):  # type: ignore[arg-type]
+        y = x
+        for _ in range(6):
+            y = y.exp().tanh()  # each op saves one new tensor
+        loss = y.sum()
+    loss.backward()
+    gets = [keys[0] for kind, keys in store.calls if kind == "get"]
+    assert len(gets) == 12 and gets == sorted(gets, reverse=True)
+    requested: set[int] = set()
+    for kind, keys in store.calls:
+        if kind == "prefetch":
+            assert all(k < min(gets) or k not in requested for k in keys)
+            requested.update(keys)
+        elif keys[0] != max(gets):
+            # Every get but the first was asked for ahead of time.
+            assert keys[0] in requested, (keys, store.calls)
+
+
+def test_stats_show_what_was_offloaded_and_summary_is_logged(
+    store_factory: StoreFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = store_factory("disk", min_bytes=1024)
+    train_steps(store, steps=1)
+    stats = settled(store)
+    assert stats.disk.total_entries == stats.puts > 0
+    # The disk tier counts whole pages per entry: at least the bytes put.
+    assert stats.disk.total_bytes >= stats.bytes_put >= stats.bytes_to_disk > 0
+    assert stats.bytes_from_disk > 0
+    assert stats.get_wait_seconds >= 0.0
+    assert stats.skipped["below_min_bytes"] > 0 and stats.skipped["parameter_or_buffer"] > 0
+    assert "disk" in stats.summary()
+    with caplog.at_level(logging.INFO, logger="tierstore"):
+        store.close()
+    lines = [r for r in caplog.records if r.name == "tierstore" and r.levelno == logging.INFO]
+    assert any(f"{stats.puts} tensors" in r.getMessage() for r in lines), caplog.text

@@ -1,0 +1,141 @@
+"""tierstore.integrations.transformers on a tiny random Llama: identical gradients, Trainer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import tierstore
+
+transformers = pytest.importorskip("transformers")
+
+from tierstore.integrations.transformers import enable_offloaded_checkpointing  # noqa: E402
+
+
+def tiny_llama(seed: int = 0, dropout: float = 0.1) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=dropout,
+        use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    model.train()
+    return model
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[tierstore.TieredStore]:
+    with tierstore.TieredStore(
+        device_bytes=0, host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)
+    ) as s:
+        yield s
+
+
+def step_grads(
+    model: torch.nn.Module, ids: torch.Tensor, store: object = None
+) -> list[torch.Tensor]:
+    model.zero_grad()
+    torch.manual_seed(11)
+    loss = model(input_ids=ids, labels=ids).loss
+    if isinstance(store, tierstore.TieredStore):
+        deadline = time.monotonic() + 10
+        while store.stats().inflight_bytes and time.monotonic() < deadline:
+            time.sleep(0.005)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def test_gradients_identical_to_no_checkpointing(store: tierstore.TieredStore) -> None:
+    model = tiny_llama(dropout=0.2)
+    ids = torch.randint(0, 128, (2, 24))
+    expected = step_grads(model, ids)
+    enable_offloaded_checkpointing(model, store)
+    assert model.is_activation_checkpointing
+    got = step_grads(model, ids, store)
+    assert len(got) == len(expected) > 0
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    stats = store.stats()
+    assert stats.puts > 0 and stats.bytes_to_disk > 0 and stats.bytes_from_disk > 0
+    # Each layer's hidden states go in; the mask and rotary tables shared by both layers once.
+    assert stats.puts < 2 * 4
+    model.activation_checkpointing_disable()
+    assert not model.is_activation_checkpointing
+
+
+def test_rejects_models_without_checkpointing_support() -> None:
+    with pytest.raises(ValueError, match="does not support gradient checkpointing"):
+        enable_offloaded_checkpointing(torch.nn.Linear(2, 2))
+
+
+def trainer_run(
+    tmp_path: Path, store: tierstore.TieredStore | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    model = tiny_llama(seed=1, dropout=0.1)
+    initial = [p.detach().clone() for p in model.parameters()]
+    if store is not None:
+        enable_offloaded_checkpointing(model, store)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 128, (16,), generator=g) for _ in range(8)]
+    dataset = [{"input_ids": r, "labels": r} for r in rows]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / ("offload" if store else "plain")),
+        per_device_train_batch_size=2,
+        max_steps=3,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        seed=7,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    return initial, [p.detach().clone() for p in model.parameters()]
+
+
+def test_trainer_steps_give_identical_weights(tmp_path: Path) -> None:
+    initial, expected = trainer_run(tmp_path, None)
+    assert not all(torch.equal(a, b) for a, b in zip(initial, expected, strict=True))
+    with tierstore.TieredStore(
+        device_bytes=0, host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)
+    ) as store:
+        _, got = trainer_run(tmp_path, store)
+        stats = store.stats()
+    assert stats.puts > 0 and stats.gets > 0 and stats.bytes_to_disk > 0
+    assert stats.live_entries == 0
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tierstore_imports_without_transformers() -> None:
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "import tierstore, tierstore.integrations.transformers as t\n"
+        "assert callable(t.enable_offloaded_checkpointing)\n"
+        "assert 'transformers' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+    )
+    src = Path(__file__).resolve().parents[2] / "src"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
