@@ -205,6 +205,8 @@ class StoreCore:
         # After ENOSPC (or a spill that found too little free space): the bytes that must be
         # free again before the disk tier is used (Note: [Disk full until space returns]).
         self._disk_need = 0
+        # Spill bytes of released entries whose delete has not run yet: free for planning.
+        self._deleting = 0
         # Released entries whose I/O is still finishing: their bytes still count.
         self._in_transit_released: set[_Entry] = set()
 
@@ -463,20 +465,23 @@ class StoreCore:
             A write error pauses the disk tier for ``_DISK_RETRY_SECONDS``, so a failing disk
             is not hammered. After ENOSPC/EDQUOT, or when the free-space check before a spill
             finds too little room, the tier also stays off until the filesystem really has
-            that room again. While it is off, :meth:`_free_room` counts no disk room, so
+            that room again (free space, plus the engine's reusable extents, plus deletes
+            still pending). While it is off, :meth:`_free_room` counts no disk room, so
             ``put`` raises ``TierFullError`` instead of growing the host tier without bound.
         """
         if self._engine is None:
             return False
-        if self._disk_failed_at is None:
+        if self._disk_failed_at is None and not self._disk_need:
             return True
-        if time.monotonic() - self._disk_failed_at < _DISK_RETRY_SECONDS:
+        failed_at = self._disk_failed_at
+        if failed_at is not None and time.monotonic() - failed_at < _DISK_RETRY_SECONDS:
             return False
         if self._disk_need and self._disk_free() < self._disk_need:
             return False
         self._disk_failed_at = None
         self._disk_need = 0
-        log.info("tierstore: retrying the disk tier after an earlier failure")
+        if failed_at is not None:
+            log.info("tierstore: retrying the disk tier after an earlier failure")
         return True
 
     # ------------------------------------------------------------------ the cascade
@@ -527,8 +532,8 @@ class StoreCore:
                 self._note_no_room(e)
                 break
             if not self._disk_has_room(footprint):
-                # The filesystem filled up under us (other files, other processes).
-                self._disk_failed_at = time.monotonic()
+                # The filesystem filled up under us (other files, other processes): no
+                # error happened, so no pause; the tier is back as soon as the space is.
                 self._disk_need = footprint
                 self._note_no_room(e)
                 break
@@ -554,7 +559,7 @@ class StoreCore:
     def _disk_free(self) -> int:
         """Free bytes for spilling: the filesystems' free space plus the engine's reusable."""
         reusable = self._engine.reusable_bytes() if self._engine is not None else 0
-        return _free_bytes(self.config.disk_dirs) + reusable
+        return _free_bytes(self.config.disk_dirs) + reusable + self._deleting
 
     def _note_no_room(self, e: _Entry) -> None:
         self._stats.kept_no_room += 1
@@ -896,17 +901,22 @@ class StoreCore:
         self._set_host(e, None)
         self._set_fetched(e, None)
         if e.disk:
+            footprint = e.disk
             self._set_disk(e, 0)
             if not self._closed:  # at close the engine deletes every file at once
-                self._spawn(self._delete, e.key)
+                self._deleting += footprint
+                self._spawn(self._delete, e.key, footprint)
         e.ready = None
 
-    async def _delete(self, key: int) -> None:
-        if self._engine is not None:
-            try:
+    async def _delete(self, key: int, footprint: int) -> None:
+        try:
+            if self._engine is not None:
                 await self._engine.delete(key)
-            except Exception as exc:  # the file goes at close anyway
-                log.warning("tierstore: freeing spill space of tensor #%d failed: %s", key, exc)
+        except Exception as exc:  # the file goes at close anyway
+            log.warning("tierstore: freeing spill space of tensor #%d failed: %s", key, exc)
+        finally:
+            with self._lock:
+                self._deleting -= footprint
 
     # ------------------------------------------------------------------ queries
 
