@@ -1,8 +1,12 @@
 """Every open store and spill directory: closed or removed at exit and SIGTERM, reset after fork.
 
-Stores are held weakly (a dropped store must be free to go); the spill directories strongly,
-until they are removed. A store dropped without ``close()`` (an ``AsyncTieredStore`` whose loop
-ended, a ``TieredStore`` that went out of scope) therefore still leaves no directory at exit.
+Open stores are held until they close, so a store dropped without ``close()`` (a
+``TieredStore`` that went out of scope, an ``AsyncTieredStore`` whose loop ended) is still
+closed properly at exit: its transfers end and its loop thread stops before the interpreter
+tears down (a loop thread still running torch code then can abort the process). Its entries
+are freed with their handles anyway; what stays is one idle loop thread, which a dropped,
+unclosed store kept before too. Spill directories are also tracked on their own until
+removed, as a backstop for exit and for the SIGTERM handler.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import contextlib
 import os
 import signal
 import threading
-import weakref
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -32,7 +35,7 @@ class _Removable(Protocol):
     def forget(self) -> None: ...
 
 
-_open: weakref.WeakSet[_Closable] = weakref.WeakSet()
+_open: set[_Closable] = set()
 _dirs: set[_Removable] = set()
 # Reentrant: the SIGTERM handler runs on the main thread, possibly between the acquire and the
 # release of a track() it interrupted.
@@ -41,9 +44,14 @@ _sigterm_checked = False
 
 
 def register(store: _Closable) -> None:
-    """Close ``store`` at exit and reset it in a forked child."""
+    """Close ``store`` at exit and reset it in a forked child, until :func:`unregister`."""
     _open.add(store)
     _install_sigterm_cleanup()
+
+
+def unregister(store: _Closable) -> None:
+    """``store`` closed: nothing left to do for it at exit."""
+    _open.discard(store)
 
 
 def track(directory: _Removable) -> None:

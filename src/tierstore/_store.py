@@ -141,8 +141,11 @@ class AsyncTieredStore:
         """Finish or cancel transfers, delete the spill directory; idempotent."""
         self._closed = True
         core = self._core
-        if core is not None and core.begin_close():
-            await core.finish_close(self._close_timeout)
+        try:
+            if core is not None and core.begin_close():
+                await core.finish_close(self._close_timeout)
+        finally:
+            _registry.unregister(self)
 
     @property
     def closed(self) -> bool:

@@ -222,6 +222,7 @@ class TieredStore:
         finally:
             core.loop.call_soon_threadsafe(core.loop.stop)
             thread.join(timeout=5)
+            _registry.unregister(self)
 
     def __enter__(self) -> TieredStore:
         return self
