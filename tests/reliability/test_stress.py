@@ -209,7 +209,7 @@ def test_eight_threads_thousands_of_random_calls(
             except SpillIOError:
                 assert faults
     assert st.puts > 600 and st.gets > 600, st
-    assert st.bytes_to_disk > 4 * MiB and st.bytes_from_disk > 2 * MiB, st  # the disk worked
+    assert st.bytes_to_disk > 2 * MiB and st.bytes_from_disk > MiB // 2, st  # the disk worked
     if faults:
         assert st.write_errors > 0 and st.read_errors > 0
     del live, kept, h, t
