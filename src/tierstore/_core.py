@@ -604,15 +604,6 @@ class StoreCore:
             self._plan_down()
 
     async def _spill(self, e: _Entry) -> None:
-        with self._lock:
-            if _released(e):
-                # Released before the write began (an eval or no_grad forward dropping its
-                # graph): no disk traffic for bytes nobody will read.
-                self._inflight -= e.nbytes
-                self._set_disk(e, 0)  # reserved, never written: nothing to delete
-                self._free_copies(e)
-                self._plan_down()
-                return
         src = e.host
         assert src is not None and self._engine is not None
         t0 = time.perf_counter()
