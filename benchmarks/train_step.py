@@ -224,6 +224,9 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     if store is not None:
+        # Writes of the last step may still be in flight; their bytes count when they end.
+        while store.stats().inflight_bytes:
+            time.sleep(0.001)
         after = store.stats()
         assert before is not None
         n = args.steps
@@ -231,6 +234,8 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             offloaded_bytes_per_step=(after.bytes_put - before.bytes_put) // n,
             offloaded_tensors_per_step=(after.puts - before.puts) // n,
             bytes_to_disk_per_step=(after.bytes_to_disk - before.bytes_to_disk) // n,
+            # Spills started; a tiny step's backward may release an entry before its write.
+            spilled_tensors_per_step=(after.disk.total_entries - before.disk.total_entries) / n,
             bytes_from_disk_per_step=(after.bytes_from_disk - before.bytes_from_disk) // n,
             get_wait_s_per_step=(after.get_wait_seconds - before.get_wait_seconds) / n,
             put_wait_s_per_step=(after.put_wait_seconds - before.put_wait_seconds) / n,

@@ -247,6 +247,22 @@ def test_backward_order_sweep_mostly_hits(make_store: MakeStore) -> None:
     assert st.bytes_from_disk >= 38 * MiB
 
 
+def test_a_backward_sweep_walks_each_entry_about_once(make_store: MakeStore) -> None:
+    # Note: [Resumable prefetch walk]: walking from the cursor on every get was quadratic.
+    n = 1500
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes="unlimited")
+    hs = [store.put(torch.full((256,), float(i))) for i in range(n)]
+    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    for i in reversed(range(n)):
+        assert store.get(hs[i])[0].item() == float(i)
+    assert store._core.walk_steps <= 3 * n, store._core.walk_steps
+    assert store.stats().prefetch_misses <= 1
+    # A second backward pass (retain_graph) walks again from the top, and still hits.
+    for h in reversed(hs):
+        store.get(h)
+    assert store._core.walk_steps <= 6 * n
+
+
 def test_prefetch_window_is_respected(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=3 * MiB)
     hs = [store.put(torch.randn(MiB // 4)) for _ in range(10)]

@@ -102,7 +102,8 @@ def _print(info: dict[str, object]) -> None:
     config = info["config"]
     assert isinstance(config, dict)
     for k, v in config.items():
-        print(f"  {k:<20} {v}")
+        shown = f"{v} ({_binary(v)})" if k.endswith("_bytes") and isinstance(v, int) else v
+        print(f"  {k:<20} {shown}")
     cuda = info["cuda"]
     assert isinstance(cuda, dict)
     print(f"CUDA available: {'yes' if cuda['available'] else 'no'} {cuda['devices'] or ''}")
@@ -141,6 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _print(facts)
     return 0
+
+
+def _binary(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at least 1 (``5.89 GiB``)."""
+    if n >= (1 << 62):
+        return "unlimited"
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} B"
 
 
 if __name__ == "__main__":

@@ -76,6 +76,9 @@ S = TensorState
 _WINDOW = frozenset({S.FETCHING, S.FETCHED})
 # How long a failed disk stays unavailable before the store checks for space again.
 _DISK_RETRY_SECONDS = 1.0
+# Reads smaller than this use plain allocations: glibc reuses small blocks cheaply, and a pool
+# of thousands of small maps would cost more to search than it saves.
+_POOLED_READ_BYTES = 1 << 20
 # A prefetch scan looks at most this many older entries, so one get never walks a huge table.
 _PREFETCH_SCAN_LIMIT = 4096
 
@@ -192,6 +195,12 @@ class StoreCore:
         self._window = 0
         self._inflight = 0
         self._cursor: int | None = None
+        # Where the last prefetch walk stopped, for the cursor it walked from: entries between
+        # are already fetched, so the next walk resumes there (Note: [Resumable prefetch walk]).
+        self._walk_cursor: int | None = None
+        self._walk_next: int | None = None
+        self.walk_steps = 0
+        """Entries looked at by prefetch walks (tests check a sweep stays linear)."""
         self._semaphore_full = False
         self._put_waiters: list[cf.Future[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -748,13 +757,29 @@ class StoreCore:
         return e.state is S.DISK or (e.state is S.HOST and e.device.type != "cpu")
 
     def _plan_prefetch(self) -> None:
-        """Bring back the entries just older than the cursor, newest first (LIFO)."""
+        """Bring back the entries just older than the cursor, newest first (LIFO).
+
+        Note: [Resumable prefetch walk]
+            Backward moves the cursor down one entry at a time, and everything between the
+            cursor and where the last walk stopped is already fetched or fetching. Walking from
+            the cursor each time would make a backward sweep quadratic in the number of
+            entries (4096 small tensors in one window: seconds of pure bookkeeping), so the
+            walk resumes where it stopped, and restarts at the cursor only when the cursor moves
+            up (a new backward pass).
+        """
         if self._cursor is None or self._closed:
             return
         budget = self.config.prefetch_bytes - self._window
         if budget <= 0:
             return
-        i = bisect.bisect_left(self._live_keys, self._cursor) - 1
+        start = self._cursor
+        if (
+            self._walk_cursor is not None
+            and self._walk_next is not None
+            and self._cursor <= self._walk_cursor
+        ):
+            start = min(start, self._walk_next)
+        i = bisect.bisect_left(self._live_keys, start) - 1
         scanned = 0
         while i >= 0 and scanned < _PREFETCH_SCAN_LIMIT:
             e = self._entries[self._live_keys[i]]
@@ -765,6 +790,10 @@ class StoreCore:
                 self._start_fetch(e)
             i -= 1
             scanned += 1
+        self.walk_steps += scanned
+        self._walk_cursor = self._cursor
+        # Resume at the entry that did not fit (or below the last one looked at).
+        self._walk_next = self._live_keys[i] + 1 if i >= 0 else 0
 
     async def _fetch(self, e: _Entry) -> None:
         fut = e.fetch_future
@@ -782,8 +811,10 @@ class StoreCore:
         try:
             if from_disk:
                 assert self._engine is not None
-                if e.device.type == "cpu":
+                if e.device.type == "cpu" and e.nbytes >= _POOLED_READ_BYTES:
                     buf = self._read_pool.take(e.nbytes)
+                elif e.device.type == "cpu":
+                    buf = torch.empty(e.nbytes, dtype=torch.uint8)
                 else:
                     buf = host_buffer(e.nbytes, pinned=True)
                 await self._engine.read(e.key, buf)

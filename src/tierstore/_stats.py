@@ -15,13 +15,13 @@ class TierStats:
     entries: int
     """Entries whose bytes are in this tier now (in flight into it included)."""
     bytes: int
-    """Bytes those entries occupy in this tier."""
+    """Bytes those entries occupy in this tier (on disk: the padded footprint)."""
     capacity: int
     """The tier's capacity in bytes."""
     total_entries: int
-    """Entries ever placed in this tier."""
+    """Entries ever placed in this tier (for the device tier, prefetched copies count too)."""
     total_bytes: int
-    """Bytes ever placed in this tier."""
+    """Bytes ever placed in this tier (for the disk tier, whole padded pages)."""
 
 
 @dataclass(frozen=True, slots=True)

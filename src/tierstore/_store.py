@@ -49,6 +49,9 @@ class AsyncTieredStore:
 
     Raises:
         ConfigError: a bad configuration value, named with its variable.
+
+    Attributes:
+        config: the resolved :class:`~tierstore.StoreConfig`.
     """
 
     def __init__(

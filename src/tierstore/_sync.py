@@ -54,6 +54,10 @@ class TieredStore:
     Raises:
         ConfigError: a bad configuration value, named with its variable.
 
+    Attributes:
+        config: the resolved :class:`~tierstore.StoreConfig` (read-only; adapters read
+            ``min_bytes`` and ``prefetch_bytes`` from it).
+
     Every method may be called from any thread except the store's own loop thread (that would
     deadlock and raises ``WrongThreadError``). The store closes at interpreter exit, and after
     ``os.fork`` the child gets a fresh, empty store under the same object.
@@ -148,6 +152,8 @@ class TieredStore:
         """The tensor back on its own device, bit-exact; repeatable until release.
 
         Treat the result as read-only: on the CPU it may be the very tensor the store holds.
+        A get during a spill is answered from the source, which stays valid until the write
+        ends; it never waits for the disk.
 
         Raises:
             TensorReleasedError: the handle was released or is another store's.

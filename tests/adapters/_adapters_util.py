@@ -74,7 +74,12 @@ class TinyDecoder(nn.Module):
     """A decoder-only transformer small enough for many steps on two cores."""
 
     def __init__(
-        self, vocab: int = 97, dim: int = 32, heads: int = 4, layers: int = 2, seq: int = 16,
+        self,
+        vocab: int = 97,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 2,
+        seq: int = 16,
         p: float = 0.1,
     ) -> None:
         super().__init__()
@@ -99,9 +104,9 @@ class TinyDecoder(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
 
 
-def model_and_batch(seed: int = 0, batch: int = 4, **kwargs: int | float) -> tuple[
-    TinyDecoder, torch.Tensor
-]:
+def model_and_batch(
+    seed: int = 0, batch: int = 4, **kwargs: int | float
+) -> tuple[TinyDecoder, torch.Tensor]:
     torch.manual_seed(seed)
     model = TinyDecoder(**kwargs)  # type: ignore[arg-type]
     seq = int(kwargs.get("seq", 16))

@@ -32,12 +32,25 @@ def test_ddp_two_ranks_offloaded_gradients_equal_plain(tmp_path: Path) -> None:
     }
     proc = subprocess.run(
         [
-            TORCHRUN, "--standalone", "--nproc_per_node", "2",
+            TORCHRUN,
+            "--standalone",
+            "--nproc_per_node",
+            "2",
             str(ROOT / "examples" / "torchrun_ddp.py"),
-            "--steps", "3", "--modes", "none,hooks,checkpoint",
-            "--out", str(out), "--disk-dir", str(spill),
+            "--steps",
+            "3",
+            "--modes",
+            "none,hooks,checkpoint",
+            "--out",
+            str(out),
+            "--disk-dir",
+            str(spill),
         ],
-        env=env, capture_output=True, text=True, timeout=240, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     reports = [json.loads((out / f"report-rank{r}.json").read_text()) for r in range(2)]

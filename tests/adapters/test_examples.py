@@ -18,7 +18,11 @@ def run_example(name: str, *args: str, tmp_path: Path) -> subprocess.CompletedPr
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args, "--disk-dir", str(spill)],
-        env=env, capture_output=True, text=True, timeout=180, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert list(spill.iterdir()) == []  # the spill directory is gone after close
@@ -28,8 +32,22 @@ def run_example(name: str, *args: str, tmp_path: Path) -> subprocess.CompletedPr
 @pytest.mark.parametrize("mode", ["hooks", "checkpoint"])
 def test_plain_loop_example(tmp_path: Path, mode: str) -> None:
     proc = run_example(
-        "plain_loop.py", "--steps", "3", "--dim", "64", "--batch", "4", "--seq", "64",
-        "--layers", "2", "--mode", mode, "--host-bytes", "100KiB", tmp_path=tmp_path,
+        "plain_loop.py",
+        "--steps",
+        "3",
+        "--dim",
+        "64",
+        "--batch",
+        "4",
+        "--seq",
+        "64",
+        "--layers",
+        "2",
+        "--mode",
+        mode,
+        "--host-bytes",
+        "100KiB",
+        tmp_path=tmp_path,
     )
     assert "step 0: loss" in proc.stdout
     # The summary logged at close shows tensors really spilled to disk.

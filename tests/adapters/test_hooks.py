@@ -33,7 +33,10 @@ StoreFactory = Callable[..., tierstore.TieredStore]
 
 
 def train_steps(
-    store: tierstore.TieredStore | None, steps: int = 2, *, seed_each_step: bool = True,
+    store: tierstore.TieredStore | None,
+    steps: int = 2,
+    *,
+    seed_each_step: bool = True,
     **model_kwargs: Any,
 ) -> list[torch.Tensor]:
     """Run a few SGD steps of the tiny decoder (dropout on); return all grads of every step."""

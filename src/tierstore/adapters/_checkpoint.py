@@ -182,7 +182,10 @@ class _Plan:
 class _CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, plan: _Plan, preserve_rng_state: bool, placeholder: torch.Tensor,
+        ctx: Any,
+        plan: _Plan,
+        preserve_rng_state: bool,
+        placeholder: torch.Tensor,
         *tensors: torch.Tensor,
     ) -> tuple[Any, ...]:
         del placeholder
@@ -251,8 +254,10 @@ class _CheckpointFunction(torch.autograd.Function):
                 if torch.amp.is_autocast_available(plan.device_type)
                 else contextlib.nullcontext()
             )
-            with torch.enable_grad(), device_autocast, torch.amp.autocast(
-                "cpu", **plan.autocast[1]
+            with (
+                torch.enable_grad(),
+                device_autocast,
+                torch.amp.autocast("cpu", **plan.autocast[1]),
             ):
                 out = plan.call(detached)
         leaves = pytree.tree_leaves(out)
