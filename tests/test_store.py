@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
@@ -562,3 +563,55 @@ def test_zarr_format_round_trips_every_dtype_through_the_store(make_store: MakeS
     _wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles))
     for h, t in zip(handles, tensors, strict=True):
         assert _same_bits(store.get(h), t), t.dtype
+
+
+class HeldReadEngine(GatedEngine):
+    """Reads wait for ``read_gate``; the first ``failing`` of them then fail with EIO."""
+
+    def __init__(self, inner: DiskEngine) -> None:
+        super().__init__(inner)
+        self.gate.set()
+        self.read_gate = threading.Event()
+        self.failing = 1
+        self.reads = 0
+
+    async def read(self, key: int, out: torch.Tensor) -> None:
+        self.reads += 1
+        while not self.read_gate.is_set():
+            await asyncio.sleep(0.002)
+        if self.failing:
+            self.failing -= 1
+            raise OSError(errno.EIO, "injected")
+        await self.inner.read(key, out)
+
+
+def test_a_get_waiting_on_a_failed_prefetch_reads_once_itself(make_store: MakeStore) -> None:
+    # Note: [A failed prefetch is retried once]: the prefetch began before the disk recovered.
+    store = make_store(device_bytes=0, host_bytes=0)
+    held: list[HeldReadEngine] = []
+    store._core.wrap_engine(lambda e: held.append(HeldReadEngine(e)) or held[0])
+    t = torch.randn(MiB // 4)
+    h = store.put(t)
+    _wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
+    store.prefetch([h])
+    assert store.state_of(h) is TensorState.FETCHING
+    result: list[Any] = []
+    getter = threading.Thread(target=lambda: result.append(store.get(h)))
+    getter.start()
+    _wait_for(lambda: store.stats().prefetch_hits == 1)  # the get waits on the prefetch
+    held[0].read_gate.set()  # the prefetch's read now fails; the disk is healthy after it
+    getter.join(10)
+    assert len(result) == 1 and torch.equal(result[0], t)
+    assert held[0].reads == 2 and store.stats().read_errors == 1
+
+
+def test_a_get_whose_own_read_fails_raises(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    held: list[HeldReadEngine] = []
+    store._core.wrap_engine(lambda e: held.append(HeldReadEngine(e)) or held[0])
+    h = store.put(torch.randn(MiB // 4))
+    _wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
+    held[0].read_gate.set()
+    with pytest.raises(tierstore.SpillIOError, match=f"tensor #{h.key}"):
+        store.get(h)
+    assert held[0].reads == 1

@@ -195,6 +195,9 @@ class StoreCore:
         self._window = 0
         self._inflight = 0
         self._cursor: int | None = None
+        # Fetches begun by prefetch rather than by a get (Note: [A failed prefetch is retried
+        # once]).
+        self._prefetches: weakref.WeakSet[cf.Future[torch.Tensor]] = weakref.WeakSet()
         # Where the last prefetch walk stopped, for the cursor it walked from: entries between
         # are already fetched, so the next walk resumes there (Note: [Resumable prefetch walk]).
         self._walk_cursor: int | None = None
@@ -713,7 +716,7 @@ class StoreCore:
             st.gets += 1
             return copy_to_device(source, e.device)
         st.prefetch_misses += 1
-        return self._start_fetch(e)
+        return self._start_fetch(e, prefetch=False)
 
     def consumed(self, handle: TensorHandle, t: torch.Tensor) -> None:
         """Record that a get which waited on a future has taken ``t``."""
@@ -731,12 +734,19 @@ class StoreCore:
         e.fetch_future = None
         self._set_state(e, e.home())
 
-    def _start_fetch(self, e: _Entry) -> cf.Future[torch.Tensor]:
+    def _start_fetch(self, e: _Entry, *, prefetch: bool = True) -> cf.Future[torch.Tensor]:
         self._set_state(e, S.FETCHING)
         fut: cf.Future[torch.Tensor] = cf.Future()
         e.fetch_future = fut
+        if prefetch:
+            self._prefetches.add(fut)
         self._spawn(self._fetch, e)
         return fut
+
+    def is_prefetch(self, fut: cf.Future[torch.Tensor]) -> bool:
+        """Whether ``fut`` is a fetch that prefetch began (not a get)."""
+        with self._lock:
+            return fut in self._prefetches
 
     def prefetch_now(self, handles: Iterable[TensorHandle]) -> None:
         """Start bringing these entries back, newest first, within the prefetch window."""
@@ -847,6 +857,14 @@ class StoreCore:
             fut.set_result(out)
 
     def _fetch_failed(self, e: _Entry, fut: cf.Future[torch.Tensor], exc: Exception) -> None:
+        """Record a failed fetch: FAILED if the copy is corrupt, else back to its home tier.
+
+        Note: [A failed prefetch is retried once]
+            A get may find its entry already being fetched by a prefetch that began before the
+            disk recovered. The facades answer a SpillIOError from such a wait by starting one
+            read of their own, and raise only when that fails too. A failed read the get began
+            itself raises at once, and a corrupt copy is final.
+        """
         self._stats.read_errors += 1
         if e.state is S.RELEASED:
             self._free_copies(e)
