@@ -198,6 +198,8 @@ class StoreCore:
         # Fetches begun by prefetch rather than by a get (Note: [A failed prefetch is retried
         # once]).
         self._prefetches: weakref.WeakSet[cf.Future[torch.Tensor]] = weakref.WeakSet()
+        # Prefetch futures a get is waiting on.
+        self._awaited: weakref.WeakSet[cf.Future[torch.Tensor]] = weakref.WeakSet()
         # Where the last prefetch walk stopped, for the cursor it walked from: entries between
         # are already fetched, so the next walk resumes there (Note: [Resumable prefetch walk]).
         self._walk_cursor: int | None = None
@@ -702,6 +704,7 @@ class StoreCore:
         if state is S.FETCHING:
             assert e.fetch_future is not None
             st.prefetch_hits += 1
+            self._awaited.add(e.fetch_future)
             return e.fetch_future
         source = e.data if e.data is not None else e.host
         if source is not None and (source.device == e.device or e.device.type == "cpu"):
@@ -734,19 +737,21 @@ class StoreCore:
         e.fetch_future = None
         self._set_state(e, e.home())
 
-    def _start_fetch(self, e: _Entry, *, prefetch: bool = True) -> cf.Future[torch.Tensor]:
+    def _start_fetch(
+        self,
+        e: _Entry,
+        *,
+        prefetch: bool = True,
+        fut: cf.Future[torch.Tensor] | None = None,
+    ) -> cf.Future[torch.Tensor]:
         self._set_state(e, S.FETCHING)
-        fut: cf.Future[torch.Tensor] = cf.Future()
+        if fut is None:
+            fut = cf.Future()
         e.fetch_future = fut
         if prefetch:
             self._prefetches.add(fut)
         self._spawn(self._fetch, e)
         return fut
-
-    def is_prefetch(self, fut: cf.Future[torch.Tensor]) -> bool:
-        """Whether ``fut`` is a fetch that prefetch began (not a get)."""
-        with self._lock:
-            return fut in self._prefetches
 
     def prefetch_now(self, handles: Iterable[TensorHandle]) -> None:
         """Start bringing these entries back, newest first, within the prefetch window."""
@@ -861,9 +866,10 @@ class StoreCore:
 
         Note: [A failed prefetch is retried once]
             A get may find its entry already being fetched by a prefetch that began before the
-            disk recovered. The facades answer a SpillIOError from such a wait by starting one
-            read of their own, and raise only when that fails too. A failed read the get began
-            itself raises at once, and a corrupt copy is final.
+            disk recovered. When such a prefetch fails while a get waits on it, its future is
+            handed to one fresh read, as if the get had started it; only that read's failure
+            reaches the get. A failed read the get began itself raises at once, and a corrupt
+            copy is final.
         """
         self._stats.read_errors += 1
         if e.state is S.RELEASED:
@@ -879,9 +885,13 @@ class StoreCore:
             self._free_copies(e)
             log.error("tierstore: %s", err)
         else:
+            self._set_state(e, e.home())
+            if fut in self._prefetches and fut in self._awaited:
+                self._prefetches.discard(fut)
+                self._start_fetch(e, prefetch=False, fut=fut)
+                return
             err = SpillIOError(f"reading {e.describe()} back from disk failed: {exc}")
             err.__cause__ = exc
-            self._set_state(e, e.home())
         e.fetch_future = None
         if not fut.done():
             fut.set_exception(err)

@@ -13,7 +13,7 @@ import torch
 from tierstore import _registry
 from tierstore._core import StoreCore
 from tierstore.config import StoreConfig
-from tierstore.errors import SpillIOError, StoreClosedError, WrongThreadError
+from tierstore.errors import StoreClosedError, WrongThreadError
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -106,24 +106,16 @@ class AsyncTieredStore:
     async def get(self, handle: TensorHandle) -> torch.Tensor:
         """The tensor, back on its device; see :meth:`tierstore.TieredStore.get`."""
         core = self._bound()
-        for attempt in range(2):
-            ready = core.get_now(handle)
-            if isinstance(ready, torch.Tensor):
-                return ready
-            t0 = time.perf_counter()
-            try:
-                t = await asyncio.shield(asyncio.wrap_future(ready))
-            except SpillIOError:
-                # A prefetch begun before the disk recovered gets one read of our own
-                # (Note: [A failed prefetch is retried once] in _core.py).
-                if attempt or not core.is_prefetch(ready):
-                    raise
-                continue
-            finally:
-                core.note_get_wait(time.perf_counter() - t0)
-            core.consumed(handle, t)
-            return t
-        raise AssertionError("unreachable")
+        ready = core.get_now(handle)
+        if isinstance(ready, torch.Tensor):
+            return ready
+        t0 = time.perf_counter()
+        try:
+            t = await asyncio.shield(asyncio.wrap_future(ready))
+        finally:
+            core.note_get_wait(time.perf_counter() - t0)
+        core.consumed(handle, t)
+        return t
 
     async def prefetch(self, handles: Iterable[TensorHandle]) -> None:
         """Start bringing these tensors closer, newest first, within the prefetch window."""

@@ -20,7 +20,7 @@ import torch
 from tierstore import _registry
 from tierstore._core import StoreCore
 from tierstore._store import resolve_config
-from tierstore.errors import SpillIOError, StoreClosedError, StoreTimeoutError, WrongThreadError
+from tierstore.errors import StoreClosedError, StoreTimeoutError, WrongThreadError
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -162,24 +162,16 @@ class TieredStore:
             StoreTimeoutError: waited longer than ``timeout``.
         """
         core = self._live()
-        for attempt in range(2):
-            ready = core.get_now(handle)
-            if isinstance(ready, torch.Tensor):
-                return ready
-            t0 = time.perf_counter()
-            try:
-                t = self._wait(ready, f"get of {handle!r}")
-            except SpillIOError:
-                # A prefetch begun before the disk recovered gets one read of our own
-                # (Note: [A failed prefetch is retried once] in _core.py).
-                if attempt or not core.is_prefetch(ready):
-                    raise
-                continue
-            finally:
-                core.note_get_wait(time.perf_counter() - t0)
-            core.consumed(handle, t)
-            return t
-        raise AssertionError("unreachable")
+        ready = core.get_now(handle)
+        if isinstance(ready, torch.Tensor):
+            return ready
+        t0 = time.perf_counter()
+        try:
+            t = self._wait(ready, f"get of {handle!r}")
+        finally:
+            core.note_get_wait(time.perf_counter() - t0)
+        core.consumed(handle, t)
+        return t
 
     def prefetch(self, handles: Iterable[TensorHandle]) -> None:
         """Start bringing these tensors back toward their device, newest first."""
