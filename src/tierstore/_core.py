@@ -12,6 +12,14 @@ Note: [Threading model]
     (a hop costs 50-110 us on the development machine), while anything that must wait waits on
     a ``concurrent.futures.Future`` that any thread or coroutine can block on.
 
+Note: [Batched hand-offs]
+    Each hop to the loop thread, each task and each engine call costs tens of microseconds of
+    Python on two cores, as much as writing a 64 KiB tensor. So work for the loop is queued
+    (``_spawn``) and handed over with one wake-up however many puts and gets queued it, and the
+    loop turns the disk writes and reads of small entries queued meanwhile into one task and
+    one ``write_many``/``read_many`` call per batch, which the raw engine packs into few large
+    requests (Note: [Small blobs travel in packs] in ``tiers/_raw.py``).
+
 Note: [Release from a finalizer]
     Handles are released by ``weakref.finalize`` when they are garbage-collected, which can
     happen in any thread, even one that holds ``self._lock`` at that moment. The finalizer
@@ -52,7 +60,7 @@ from tierstore.errors import (
     TierFullError,
     UnsupportedTensorError,
 )
-from tierstore.tiers import open_engine
+from tierstore.tiers import WriteRequest, open_engine
 from tierstore.tiers._device import (
     as_bytes,
     compact,
@@ -81,6 +89,15 @@ _DISK_RETRY_SECONDS = 1.0
 _POOLED_READ_BYTES = 1 << 20
 # A prefetch scan looks at most this many older entries, so one get never walks a huge table.
 _PREFETCH_SCAN_LIMIT = 4096
+
+
+# Disk I/O of entries up to this size is handed to the engine in batches of up to
+# _BATCH_MAX_BYTES (Note: [Batched hand-offs]).
+_BATCH_BYTES = 1 << 20
+_BATCH_MAX_BYTES = 8 << 20
+# The filesystem's free space is read at most this often; spills planned in between are
+# subtracted from the last reading, and a spill that seems not to fit reads it again.
+_FREE_SPACE_TTL_SECONDS = 0.05
 
 
 _store_tokens = itertools.count(1)
@@ -209,6 +226,14 @@ class StoreCore:
         self._semaphore_full = False
         self._put_waiters: list[cf.Future[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        # Work queued for the loop thread (Note: [Batched hand-offs]).
+        self._spawns: collections.deque[tuple[Callable[..., Coroutine[Any, Any, None]], Any]]
+        self._spawns = collections.deque()
+        self._spawn_soon = False
+        # The last reading of the filesystems' free space, and spills planned since.
+        self._fs_free = 0
+        self._fs_read_at: float | None = None
+        self._fs_planned = 0
         self._dropped: collections.deque[int] = collections.deque()
         self._drain_scheduled = False
         self.token = next(_store_tokens)
@@ -377,11 +402,38 @@ class StoreCore:
     # ------------------------------------------------------------------ scheduling helpers
 
     def _spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
-        """Run ``fn(*args)`` as a task on the store's loop, from any thread."""
+        """Run ``fn(*args)`` as a task on the store's loop, from any thread (under the lock).
+
+        The call is queued; one wake-up of the loop starts everything queued meanwhile
+        (Note: [Batched hand-offs]). The flag is tested after the append, so whichever side
+        runs second sees the other's work.
+        """
+        self._spawns.append((fn, args))
+        if self._spawn_soon:
+            return
+        self._spawn_soon = True
         if threading.get_ident() == self.loop_thread:
-            self._start_task(fn, args)
+            self.loop.call_soon(self._run_spawns)
         else:
-            self.loop.call_soon_threadsafe(self._start_task, fn, args)
+            self.loop.call_soon_threadsafe(self._run_spawns)
+
+    def _run_spawns(self) -> None:
+        """Start the queued work (on the loop): small disk writes and reads go in batches."""
+        self._spawn_soon = False
+        spills: list[_Entry] = []
+        fetches: list[_Entry] = []
+        while self._spawns:
+            fn, args = self._spawns.popleft()
+            if fn == self._spill_many and args[0][0].nbytes <= _BATCH_BYTES:
+                spills.extend(args[0])
+            elif fn == self._fetch_many and args[0][0].disk and args[0][0].nbytes <= _BATCH_BYTES:
+                fetches.extend(args[0])
+            else:
+                self._start_task(fn, args)
+        for batch in _batches(spills):
+            self._start_task(self._spill_many, (batch,))
+        for batch in _batches(fetches):
+            self._start_task(self._fetch_many, (batch,))
 
     def _start_task(
         self, fn: Callable[..., Coroutine[Any, Any, None]], args: tuple[Any, ...]
@@ -557,8 +609,9 @@ class StoreCore:
             heapq.heappop(self._heaps[Tier.HOST])
             self._set_state(e, S.MOVING_TO_DISK)
             self._set_disk(e, footprint)
+            self._fs_planned += footprint
             self._inflight += e.nbytes
-            self._spawn(self._spill, e)
+            self._spawn(self._spill_many, [e])
         self._semaphore_full = blocked
         if not blocked and self._put_waiters:
             waiters, self._put_waiters = self._put_waiters, []
@@ -567,13 +620,23 @@ class StoreCore:
                     w.set_result(None)
 
     def _disk_has_room(self, footprint: int) -> bool:
-        # Other processes share the disk: check what is really free before each spill.
-        return self._disk_free() >= footprint
+        # Other processes share the disk: a spill that seems not to fit reads the space again.
+        return self._disk_free() >= footprint or self._disk_free(fresh=True) >= footprint
 
-    def _disk_free(self) -> int:
-        """Free bytes for spilling: the filesystems' free space plus the engine's reusable."""
+    def _disk_free(self, *, fresh: bool = False) -> int:
+        """Free bytes for spilling: the filesystems' free space plus the engine's reusable.
+
+        The free space is read at most every ``_FREE_SPACE_TTL_SECONDS`` (two system calls per
+        spill would cost as much as packing a small tensor); spills planned since the reading
+        are subtracted from it.
+        """
+        now = time.monotonic()
+        if fresh or self._fs_read_at is None or now - self._fs_read_at > _FREE_SPACE_TTL_SECONDS:
+            self._fs_free = _free_bytes(self.config.disk_dirs)
+            self._fs_read_at = now
+            self._fs_planned = 0
         reusable = self._engine.reusable_bytes() if self._engine is not None else 0
-        return _free_bytes(self.config.disk_dirs) + reusable + self._deleting
+        return self._fs_free - self._fs_planned + reusable + self._deleting
 
     def _note_no_room(self, e: _Entry) -> None:
         self._stats.kept_no_room += 1
@@ -617,37 +680,41 @@ class StoreCore:
                 self._set_state(e, S.HOST)
             self._plan_down()
 
-    async def _spill(self, e: _Entry) -> None:
-        src = e.host
-        assert src is not None and self._engine is not None
+    async def _spill_many(self, entries: list[_Entry]) -> None:
+        """Write entries to disk, in one engine call (Note: [Batched hand-offs])."""
+        assert self._engine is not None
+        requests = []
+        for e in entries:
+            assert e.host is not None
+            requests.append(WriteRequest(e.key, as_bytes(e.host), e.dtype, tuple(e.shape)))
         t0 = time.perf_counter()
-        try:
-            await self._engine.write(e.key, as_bytes(src), dtype=e.dtype, shape=tuple(e.shape))
-        except Exception as exc:
-            with self._lock:
-                self._inflight -= e.nbytes
-                self._stats.write_errors += 1
-                footprint = e.disk
-                self._set_disk(e, 0)
-                self._disk_failed(e, footprint, exc)
-                if e.state is S.RELEASED:
-                    self._free_copies(e)
-                else:
-                    self._set_state(e, S.HOST)
-                self._plan_down()
-            return
+        outcomes = await self._engine.write_many(requests)
         with self._lock:
-            self._inflight -= e.nbytes
-            self._stats.bytes_to_disk += e.nbytes
             self._stats.seconds_to_disk += time.perf_counter() - t0
-            if e.state is S.RELEASED:
-                self._free_copies(e)
-            else:
-                self._set_host(e, None)
-                self._set_state(e, S.DISK)
+            for e, exc in zip(entries, outcomes, strict=True):
+                self._spill_ended(e, exc)
             self._plan_down()
             self._plan_prefetch()
         trim_soon()  # Note: [Returning host memory]
+
+    def _spill_ended(self, e: _Entry, exc: BaseException | None) -> None:
+        self._inflight -= e.nbytes
+        if exc is not None:
+            self._stats.write_errors += 1
+            footprint = e.disk
+            self._set_disk(e, 0)
+            self._disk_failed(e, footprint, exc)
+            if e.state is S.RELEASED:
+                self._free_copies(e)
+            else:
+                self._set_state(e, S.HOST)
+            return
+        self._stats.bytes_to_disk += e.nbytes
+        if e.state is S.RELEASED:
+            self._free_copies(e)
+        else:
+            self._set_host(e, None)
+            self._set_state(e, S.DISK)
 
     def _disk_failed(self, e: _Entry, footprint: int, exc: BaseException) -> None:
         self._disk_failed_at = time.monotonic()
@@ -750,7 +817,7 @@ class StoreCore:
         e.fetch_future = fut
         if prefetch:
             self._prefetches.add(fut)
-        self._spawn(self._fetch, e)
+        self._spawn(self._fetch_many, [e])
         return fut
 
     def prefetch_now(self, handles: Iterable[TensorHandle]) -> None:
@@ -810,56 +877,86 @@ class StoreCore:
         # Resume at the entry that did not fit (or below the last one looked at).
         self._walk_next = self._live_keys[i] + 1 if i >= 0 else 0
 
-    async def _fetch(self, e: _Entry) -> None:
-        fut = e.fetch_future
-        assert fut is not None
+    async def _fetch_many(self, entries: list[_Entry]) -> None:
+        """Bring entries back, the disk reads in one engine call (Note: [Batched hand-offs])."""
         with self._lock:
-            if _released(e):
-                # Released before the read began: skip it (a prefetch nobody will consume).
-                self._free_copies(e)
-                if not fut.done():
-                    fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
-                self._plan_prefetch()
-                return
-        t0 = time.perf_counter()
-        from_disk = bool(e.disk)
-        try:
-            if from_disk:
-                assert self._engine is not None
-                if e.device.type == "cpu" and e.nbytes >= _POOLED_READ_BYTES:
-                    buf = self._read_pool.take(e.nbytes)
-                elif e.device.type == "cpu":
-                    buf = torch.empty(e.nbytes, dtype=torch.uint8)
+            live = []
+            for e in entries:
+                if _released(e):
+                    # Released before the read began: skip it (a prefetch nobody will consume).
+                    fut = e.fetch_future
+                    self._free_copies(e)
+                    if fut is not None and not fut.done():
+                        fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
                 else:
-                    buf = host_buffer(e.nbytes, pinned=True)
-                await self._engine.read(e.key, buf)
-                t = from_bytes(buf, e.dtype, e.shape)
-            else:
-                assert e.host is not None
-                t = e.host
-            t1 = time.perf_counter()
-            out = copy_to_device(t, e.device)
-        except Exception as exc:
-            with self._lock:
-                self._fetch_failed(e, fut, exc)
+                    live.append(e)
+            if len(live) < len(entries):
+                self._plan_prefetch()
+        if not live:
             return
+        disk = [e for e in live if e.disk]
+        bufs = [self._read_buffer(e) for e in disk]
+        t0 = time.perf_counter()
+        read_errors: list[BaseException | None] = []
+        if disk:
+            assert self._engine is not None
+            read_errors = await self._engine.read_many(
+                [(e.key, buf) for e, buf in zip(disk, bufs, strict=True)]
+            )
+        t1 = time.perf_counter()
+        sources: dict[int, torch.Tensor | BaseException] = {}
+        for e, buf, err in zip(disk, bufs, read_errors, strict=True):
+            sources[e.key] = err if err is not None else from_bytes(buf, e.dtype, e.shape)
+        results: list[tuple[_Entry, torch.Tensor | Exception]] = []
+        for e in live:
+            src = sources.get(e.key, e.host)
+            if isinstance(src, BaseException) and not isinstance(src, Exception):
+                raise src  # cancelled at close
+            try:
+                if isinstance(src, Exception):
+                    raise src
+                assert src is not None
+                results.append((e, copy_to_device(src, e.device)))
+            except Exception as exc:
+                results.append((e, exc))
+        t2 = time.perf_counter()
+        ready: list[tuple[cf.Future[torch.Tensor], torch.Tensor]] = []
         with self._lock:
             st = self._stats
-            if from_disk:
-                st.bytes_from_disk += e.nbytes
+            if disk:
+                st.bytes_from_disk += sum(
+                    e.nbytes for e, err in zip(disk, read_errors, strict=True) if err is None
+                )
                 st.seconds_from_disk += t1 - t0
-            if e.device.type != "cpu":
-                st.bytes_to_device += e.nbytes
-                st.seconds_to_device += time.perf_counter() - t1
-            if e.state is S.RELEASED:
-                self._free_copies(e)
-                fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
-                self._plan_prefetch()
-                return
-            self._set_fetched(e, out)
-            self._set_state(e, S.FETCHED)
-        if not fut.done():
-            fut.set_result(out)
+            for e, out in results:
+                fut = e.fetch_future
+                assert fut is not None
+                if isinstance(out, Exception):
+                    self._fetch_failed(e, fut, out)
+                    continue
+                if e.device.type != "cpu":
+                    st.bytes_to_device += e.nbytes
+                if e.state is S.RELEASED:
+                    self._free_copies(e)
+                    fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
+                    self._plan_prefetch()
+                    continue
+                self._set_fetched(e, out)
+                self._set_state(e, S.FETCHED)
+                ready.append((fut, out))
+            if any(e.device.type != "cpu" for e in live):
+                st.seconds_to_device += t2 - t1
+        for fut, out in ready:
+            if not fut.done():
+                fut.set_result(out)
+
+    def _read_buffer(self, e: _Entry) -> torch.Tensor:
+        """Where a disk read of ``e`` lands: pooled for big CPU tensors, pinned for CUDA ones."""
+        if e.device.type == "cpu" and e.nbytes >= _POOLED_READ_BYTES:
+            return self._read_pool.take(e.nbytes)
+        if e.device.type == "cpu":
+            return torch.empty(e.nbytes, dtype=torch.uint8)
+        return host_buffer(e.nbytes, pinned=True)
 
     def _fetch_failed(self, e: _Entry, fut: cf.Future[torch.Tensor], exc: Exception) -> None:
         """Record a failed fetch: FAILED if the copy is corrupt, else back to its home tier.
@@ -1085,7 +1182,11 @@ class StoreCore:
         deadline = time.monotonic() + timeout
         # Finishing tasks may start others (a fetch completing a prefetch walk); wait until no
         # task is left, then cancel whatever outlived the timeout.
-        while pending := {t for t in self._tasks if t is not asyncio.current_task()}:
+        while True:
+            self._run_spawns()  # queued work becomes tasks this loop can wait for
+            pending = {t for t in self._tasks if t is not asyncio.current_task()}
+            if not pending:
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 for t in pending:
@@ -1128,6 +1229,20 @@ class StoreCore:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _batches(entries: list[_Entry]) -> Iterable[list[_Entry]]:
+    """Consecutive runs of ``entries`` of at most ``_BATCH_MAX_BYTES`` each (one at least)."""
+    batch: list[_Entry] = []
+    size = 0
+    for e in entries:
+        if batch and size + e.nbytes > _BATCH_MAX_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(e)
+        size += e.nbytes
+    if batch:
+        yield batch
 
 
 def _released(e: _Entry) -> bool:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tierstore.tiers._engine import DiskEngine
+from tierstore.tiers._engine import DiskEngine, WriteRequest
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from tierstore.config import StoreConfig
 
-__all__ = ["DiskEngine", "open_engine"]
+__all__ = ["DiskEngine", "WriteRequest", "open_engine"]
 
 
 def open_engine(directories: tuple[Path, ...], config: StoreConfig) -> DiskEngine:

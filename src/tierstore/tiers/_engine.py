@@ -9,16 +9,29 @@ conformance tests in ``tests/tiers/engine_conformance.py``.
 from __future__ import annotations
 
 import abc
+import asyncio
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
     from pathlib import Path
 
     import torch
 
     from tierstore.config import StoreConfig
 
-__all__ = ["DiskEngine"]
+__all__ = ["DiskEngine", "WriteRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteRequest:
+    """One blob for :meth:`DiskEngine.write_many`: the arguments of one ``write``."""
+
+    key: int
+    src: torch.Tensor
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] | None = None
 
 
 class DiskEngine(abc.ABC):
@@ -41,6 +54,10 @@ class DiskEngine(abc.ABC):
           match, never returning wrong bytes silently.
         * ``delete(key)``: free the key's space. Never called while a read or write of the same
           key is in flight.
+        * ``write_many(requests)`` / ``read_many(requests)``: several writes or reads at once,
+          with one outcome per request (``None`` or the exception ``write``/``read`` would
+          have raised). The store hands over everything it has queued at once, so an engine
+          can batch; the defaults run ``write``/``read`` concurrently.
         * ``close()``: delete every file; the store removes the directories afterwards.
         Nothing on the load path may unpickle.
     """
@@ -84,6 +101,27 @@ class DiskEngine(abc.ABC):
     @abc.abstractmethod
     async def read(self, key: int, out: torch.Tensor) -> None:
         """Load the bytes of ``key`` into ``out``."""
+
+    async def write_many(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
+        """Store several blobs; one outcome per request, in order (``None``: stored).
+
+        Every request has ended, stored or not, when this returns. When the caller is
+        cancelled, the requests that had completed stay stored and the others store nothing.
+        """
+        results = await asyncio.gather(
+            *(self.write(r.key, r.src, dtype=r.dtype, shape=r.shape) for r in requests),
+            return_exceptions=True,
+        )
+        return [r if isinstance(r, BaseException) else None for r in results]
+
+    async def read_many(
+        self, requests: Sequence[tuple[int, torch.Tensor]]
+    ) -> list[BaseException | None]:
+        """Fill each ``(key, out)``; one outcome per request, in order (``None``: filled)."""
+        results = await asyncio.gather(
+            *(self.read(key, out) for key, out in requests), return_exceptions=True
+        )
+        return [r if isinstance(r, BaseException) else None for r in results]
 
     @abc.abstractmethod
     async def delete(self, key: int) -> None:

@@ -39,12 +39,12 @@ import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tierstore.errors import ConfigError, CorruptTensorError
 from tierstore.tiers._checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
 from tierstore.tiers._checksum import crc32c
-from tierstore.tiers._engine import DiskEngine
+from tierstore.tiers._engine import DiskEngine, WriteRequest
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -70,6 +70,13 @@ _GROW_MAX = 1 << 30
 # the blob needs before giving up with ENOSPC.
 
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+_PACK_MAX = 1 << 20
+# Blobs up to this size travel in packs (Note: [Small blobs travel in packs]); bigger ones are
+# cut into chunks that already keep the threads busy.
+_READ_GAP = 256 << 10
+# Two small blobs whose extents are at most this far apart are read with one request: reading
+# a gap this size costs less than a second request.
 
 
 def _pad(nbytes: int) -> int:
@@ -363,12 +370,24 @@ class RawEngine(DiskEngine):
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io")
         self._bounce: queue.SimpleQueue[_BounceBuffer] = queue.SimpleQueue()
         self._bounce_all: list[_BounceBuffer] = []
-        if any(f.direct for f in self._files):
-            # One per thread: at most io_threads transfers run at once, so get() never waits.
-            for _ in range(config.io_threads):
-                buf = _BounceBuffer(self._chunk)
-                self._bounce_all.append(buf)
-                self._bounce.put(buf)
+        # One per thread: at most io_threads transfers run at once, so get() never waits. Packs
+        # are assembled in them even without O_DIRECT; untouched pages cost no memory.
+        for _ in range(config.io_threads):
+            buf = _BounceBuffer(self._chunk)
+            self._bounce_all.append(buf)
+            self._bounce.put(buf)
+        self._pack_max = min(_PACK_MAX, self._chunk)
+        self._pack: list[_PackItem] = []
+        self._pack_bytes = 0
+        self._packs_writing = 0
+        self._pack_soon = False
+        self._reads: list[_ReadItem] = []
+        self._reads_soon = False
+        self._batch_tasks: set[asyncio.Task[None]] = set()
+        self.packs_written = 0
+        """Packs written (Note: [Small blobs travel in packs]); tests and ``info`` read it."""
+        self.grouped_reads = 0
+        """Requests that read several small blobs at once."""
         self._closed = False
 
     def _detect_direct(self, directory: Path) -> DirectIOProbe:
@@ -400,6 +419,9 @@ class RawEngine(DiskEngine):
         if key in self._blobs:
             raise KeyError(f"key {key} is already stored; delete it first")
         _check_bytes(src, "src")
+        if 0 < src.numel() <= self._pack_max:
+            self._blobs[key] = await self._write_packed(src)
+            return
         blob = await self._place(src.numel())
         try:
             view = _byte_view(src)
@@ -424,7 +446,62 @@ class RawEngine(DiskEngine):
             raise CorruptTensorError(
                 f"key {key}: {blob.size} bytes were spilled but {out.numel()} were asked for"
             )
+        if len(blob.chunks) == 1 and blob.size <= self._pack_max:
+            await self._read_grouped(blob, out)
+            return
         await self._run(self._read_chunk, blob, _byte_view(out), out.data_ptr())
+
+    async def write_many(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
+        """Store several blobs; small ones join packs without a coroutine each.
+
+        See :meth:`DiskEngine.write_many`.
+        """
+        self._check_open()
+        waits: list[asyncio.Future[Any]] = []
+        packed: list[bool] = []
+        for r in requests:
+            n = r.src.numel()
+            small = r.key not in self._blobs and _is_bytes(r.src) and 0 < n <= self._pack_max
+            packed.append(small)
+            if small:
+                waits.append(self._enqueue_pack(r.src))
+            else:
+                waits.append(asyncio.ensure_future(self.write(r.key, r.src)))
+        try:
+            await _all_done(waits)
+        finally:
+            # Also when cancelled: what was written stays stored under its key.
+            outcomes: list[BaseException | None] = []
+            for r, small, fut in zip(requests, packed, waits, strict=True):
+                exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
+                if exc is None and small:
+                    self._blobs[r.key] = fut.result()
+                outcomes.append(exc)
+        return outcomes
+
+    async def read_many(
+        self, requests: Sequence[tuple[int, torch.Tensor]]
+    ) -> list[BaseException | None]:
+        """Fill several outputs; small blobs are read in groups without a coroutine each.
+
+        See :meth:`DiskEngine.read_many`.
+        """
+        self._check_open()
+        waits: list[asyncio.Future[Any]] = []
+        for key, out in requests:
+            blob = self._blobs.get(key)
+            if (
+                blob is not None
+                and len(blob.chunks) == 1
+                and blob.size <= self._pack_max
+                and _is_bytes(out)
+                and out.numel() == blob.size
+            ):
+                waits.append(self._enqueue_read(blob, out))
+            else:
+                waits.append(asyncio.ensure_future(self.read(key, out)))
+        await _all_done(waits)
+        return [fut.exception() for fut in waits]  # never cancelled: _all_done raised then
 
     async def delete(self, key: int) -> None:
         """Free the extents of ``key`` for reuse (a missing key is ignored)."""
@@ -437,6 +514,10 @@ class RawEngine(DiskEngine):
         if self._closed:
             return
         self._closed = True
+        self._start_pack()
+        self._start_reads()
+        while self._batch_tasks:
+            await asyncio.wait(set(self._batch_tasks))
         await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
         self._blobs.clear()
         self._close_files()
@@ -454,6 +535,7 @@ class RawEngine(DiskEngine):
             "io_threads": self.config.io_threads,
             "io_chunk_bytes": self._chunk,
             "checksum": CHECKSUM_IMPLEMENTATION if self._checksum else "none",
+            "packed_blob_bytes": self._pack_max,
         }
 
     # -- placement -------------------------------------------------------------------------
@@ -529,7 +611,187 @@ class RawEngine(DiskEngine):
             if isinstance(r, BaseException):
                 raise r
 
+    # -- small blobs: packs and grouped reads (Note: [Small blobs travel in packs]) ----------
+
+    async def _write_packed(self, src: torch.Tensor) -> _Blob:
+        # A cancelled caller cancels the future; the pack still holds ``src`` and frees the
+        # blob's piece once written (see _flush_pack).
+        return await self._enqueue_pack(src)
+
+    def _enqueue_pack(self, src: torch.Tensor) -> asyncio.Future[_Blob]:
+        loop = asyncio.get_running_loop()
+        item = _PackItem(src, loop.create_future())
+        padded = _pad(src.numel())
+        if self._pack_bytes + padded > self._chunk:
+            self._start_pack()
+        self._pack.append(item)
+        self._pack_bytes += padded
+        if self._pack_bytes >= self._chunk:
+            self._start_pack()
+        elif not self._pack_soon:
+            self._pack_soon = True
+            loop.call_soon(self._pack_due)
+        return item.done
+
+    def _pack_due(self) -> None:
+        self._pack_soon = False
+        if self._packs_writing < self.config.io_threads:
+            self._start_pack()
+        # Otherwise the open pack keeps growing until a pack in flight finishes.
+
+    def _start_pack(self) -> None:
+        if not self._pack:
+            return
+        items, self._pack, self._pack_bytes = self._pack, [], 0
+        self._packs_writing += 1
+        self._track(self._flush_pack(items))
+
+    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._batch_tasks.add(task)
+        task.add_done_callback(self._batch_tasks.discard)
+
+    async def _flush_pack(self, items: list[_PackItem]) -> None:
+        try:
+            blobs = await self._place_pack(items)
+        except BaseException as exc:
+            self._packs_writing -= 1
+            _fail_all([it.done for it in items], exc)
+            self._pack_due()
+            return
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._pool, self._write_pack, items, blobs)
+        except BaseException as exc:
+            for b in blobs:
+                self._free(b)
+            _fail_all([it.done for it in items], exc)
+        else:
+            self.packs_written += 1
+            for it, b in zip(items, blobs, strict=True):
+                if it.done.cancelled():
+                    self._free(b)  # its writer was cancelled: nobody owns the blob
+                else:
+                    it.done.set_result(b)
+        finally:
+            self._packs_writing -= 1
+            if self._pack and not self._pack_soon:
+                self._pack_due()
+
+    async def _place_pack(self, items: list[_PackItem]) -> list[_Blob]:
+        """One extent for the whole pack, in the next directory; each blob owns a piece of it."""
+        f = self._files[self._next_dir]
+        self._next_dir = (self._next_dir + 1) % len(self._files)
+        total = sum(_pad(it.src.numel()) for it in items)
+        offset = f.extents.alloc(total)
+        while offset is None:
+            # See Note: [One growth for many waiting writers].
+            offset = await self._grow(f, total)
+        blobs = []
+        for it in items:
+            n = it.src.numel()
+            blobs.append(_Blob(n, [(f, offset, _pad(n))], [_Chunk(f, offset, 0, n)], [0]))
+            offset += _pad(n)
+        return blobs
+
+    async def _read_grouped(self, blob: _Blob, out: torch.Tensor) -> None:
+        # A cancelled caller cancels the future; the group still holds ``out``, so the copy
+        # into it lands in memory that is still alive.
+        await self._enqueue_read(blob, out)
+
+    def _enqueue_read(self, blob: _Blob, out: torch.Tensor) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        item = _ReadItem(blob, out, loop.create_future())
+        self._reads.append(item)
+        if not self._reads_soon:
+            self._reads_soon = True
+            loop.call_soon(self._start_reads)
+        return item.done
+
+    def _start_reads(self) -> None:
+        """Sort the small reads asked for so far by place, and read neighbours together."""
+        self._reads_soon = False
+        if not self._reads:
+            return
+        items, self._reads = self._reads, []
+        items.sort(key=lambda it: (it.chunk.file.path, it.chunk.offset))
+        group = [items[0]]
+        for it in items[1:]:
+            first, last = group[0].chunk, group[-1].chunk
+            c = it.chunk
+            if (
+                c.file is first.file
+                and c.offset - (last.offset + _pad(last.length)) <= _READ_GAP
+                and c.offset + _pad(c.length) - first.offset <= self._chunk
+            ):
+                group.append(it)
+            else:
+                self._track(self._read_group(group))
+                group = [it]
+        self._track(self._read_group(group))
+
+    async def _read_group(self, items: list[_ReadItem]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            errors = await loop.run_in_executor(self._pool, self._read_span, items)
+        except BaseException as exc:
+            _fail_all([it.done for it in items], exc)
+            return
+        if len(items) > 1:
+            self.grouped_reads += 1
+        for it, err in zip(items, errors, strict=True):
+            if it.done.done():
+                continue
+            if err is None:
+                it.done.set_result(None)
+            else:
+                it.done.set_exception(err)
+
     # -- blocking work on the I/O threads -------------------------------------------------
+
+    def _write_pack(self, items: list[_PackItem], blobs: list[_Blob]) -> None:
+        first = blobs[0].chunks[0]
+        buf = self._bounce.get()
+        try:
+            for it, b in zip(items, blobs, strict=True):
+                c = b.chunks[0]
+                at = buf.address + c.offset - first.offset
+                ctypes.memmove(at, it.src.data_ptr(), c.length)
+                ctypes.memset(at + c.length, 0, _pad(c.length) - c.length)
+                if self._checksum:
+                    b.crcs[0] = crc32c(at, c.length)
+            last = blobs[-1].chunks[0]
+            total = last.offset + _pad(last.length) - first.offset
+            _pwrite_all(first.file.fd, buf.view[:total], first.offset)
+            if not first.file.direct:
+                _drop_cached(first.file.fd, first.offset, total, dirty=True)
+        finally:
+            self._bounce.put(buf)
+
+    def _read_span(self, items: list[_ReadItem]) -> list[CorruptTensorError | None]:
+        """Read the span covering ``items`` once; check and copy out each blob on its own."""
+        first = items[0].chunk
+        end = max(it.chunk.offset + _pad(it.chunk.length) for it in items)
+        buf = self._bounce.get()
+        try:
+            span = end - first.offset
+            _pread_all(first.file.fd, buf.view[:span], first.offset, first.file.path)
+            if not first.file.direct:
+                _drop_cached(first.file.fd, first.offset, span, dirty=False)
+            errors: list[CorruptTensorError | None] = []
+            for it in items:
+                at = buf.address + it.chunk.offset - first.offset
+                try:
+                    self._verify(it.blob, 0, at)
+                except CorruptTensorError as e:
+                    errors.append(e)
+                    continue
+                ctypes.memmove(it.out.data_ptr(), at, it.chunk.length)
+                errors.append(None)
+            return errors
+        finally:
+            self._bounce.put(buf)
+
 
     def _write_chunk(self, blob: _Blob, i: int, view: memoryview, address: int) -> None:
         c = blob.chunks[i]
@@ -598,9 +860,56 @@ class RawEngine(DiskEngine):
 
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Coroutine, Sequence
 
     _ChunkFn = Callable[[_Blob, int, memoryview, int], None]
+
+
+@dataclass(slots=True)
+class _PackItem:
+    """A small blob waiting for its pack: the bytes, and where its placed record goes."""
+
+    src: torch.Tensor
+    done: asyncio.Future[_Blob]
+
+
+@dataclass(slots=True)
+class _ReadItem:
+    """A small read waiting to be grouped with its neighbours."""
+
+    blob: _Blob
+    out: torch.Tensor
+    done: asyncio.Future[None]
+
+    @property
+    def chunk(self) -> _Chunk:
+        return self.blob.chunks[0]
+
+
+async def _all_done(futures: list[asyncio.Future[Any]]) -> None:
+    """Wait until every future is done; a cancelled caller cancels those still pending.
+
+    Cancelling a pack's or a group's future only detaches its caller: the I/O goes on with the
+    memory it holds, and a written blob nobody owns is freed (see ``_flush_pack``).
+    """
+    if not futures:
+        return
+    try:
+        await asyncio.wait(futures)
+    except asyncio.CancelledError:
+        for fut in futures:
+            fut.cancel()
+        await asyncio.wait(futures)
+        raise
+
+
+def _fail_all(futures: list[asyncio.Future[Any]], exc: BaseException) -> None:
+    for fut in futures:
+        if not fut.done():
+            fut.set_exception(exc)
+        # Nobody may be waiting any more (the caller was cancelled): mark it seen.
+        if fut.done() and not fut.cancelled():
+            fut.exception()
 
 
 def _free_granted(done: asyncio.Future[int | None], f: _SpillFile, nbytes: int) -> None:
@@ -618,6 +927,12 @@ def _check_bytes(t: torch.Tensor, name: str) -> None:
             f"{name} must be a 1-D contiguous uint8 CPU tensor, got {t.dtype} {tuple(t.shape)} "
             f"on {t.device}"
         )
+
+
+def _is_bytes(t: torch.Tensor) -> bool:
+    import torch
+
+    return t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous() and t.device.type == "cpu"
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
