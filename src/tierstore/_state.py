@@ -25,6 +25,10 @@ class Tier(enum.Enum):
     HOST = "host"
     DISK = "disk"
 
+    # Members are singletons compared by identity, so identity hashing agrees with equality;
+    # Enum's own __hash__ is Python code, and the store hashes tiers and states on every call.
+    __hash__ = object.__hash__
+
 
 class TensorState(enum.Enum):
     """The state of one stored tensor."""
@@ -47,6 +51,8 @@ class TensorState(enum.Enum):
     """Terminal: released by its owner; every copy is freed."""
     FAILED = "failed"
     """Terminal: the only copy was lost or found corrupt; get raises."""
+
+    __hash__ = object.__hash__  # see Tier
 
 
 S = TensorState

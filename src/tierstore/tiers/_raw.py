@@ -45,6 +45,7 @@ from tierstore.errors import ConfigError, CorruptTensorError
 from tierstore.tiers._checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
 from tierstore.tiers._checksum import crc32c
 from tierstore.tiers._engine import DiskEngine, WriteRequest
+from tierstore.tiers._memcopy import memmove, memset
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -756,8 +757,8 @@ class RawEngine(DiskEngine):
             for it, b in zip(items, blobs, strict=True):
                 c = b.chunks[0]
                 at = buf.address + c.offset - first.offset
-                ctypes.memmove(at, it.src.data_ptr(), c.length)
-                ctypes.memset(at + c.length, 0, _pad(c.length) - c.length)
+                memmove(at, it.src.data_ptr(), c.length)
+                memset(at + c.length, 0, _pad(c.length) - c.length)
                 if self._checksum:
                     b.crcs[0] = crc32c(at, c.length)
             last = blobs[-1].chunks[0]
@@ -786,12 +787,11 @@ class RawEngine(DiskEngine):
                 except CorruptTensorError as e:
                     errors.append(e)
                     continue
-                ctypes.memmove(it.out.data_ptr(), at, it.chunk.length)
+                memmove(it.out.data_ptr(), at, it.chunk.length)
                 errors.append(None)
             return errors
         finally:
             self._bounce.put(buf)
-
 
     def _write_chunk(self, blob: _Blob, i: int, view: memoryview, address: int) -> None:
         c = blob.chunks[i]
@@ -808,8 +808,8 @@ class RawEngine(DiskEngine):
         buf = self._bounce.get()
         try:
             padded = _pad(c.length)
-            ctypes.memmove(buf.address, src, c.length)
-            ctypes.memset(buf.address + c.length, 0, padded - c.length)
+            memmove(buf.address, src, c.length)
+            memset(buf.address + c.length, 0, padded - c.length)
             if self._checksum:
                 blob.crcs[i] = crc32c(buf.address, c.length)
             _pwrite_all(c.file.fd, buf.view[:padded], c.offset)
@@ -829,7 +829,7 @@ class RawEngine(DiskEngine):
         try:
             _pread_all(c.file.fd, buf.view[: _pad(c.length)], c.offset, c.file.path)
             self._verify(blob, i, buf.address)
-            ctypes.memmove(dst, buf.address, c.length)
+            memmove(dst, buf.address, c.length)
         finally:
             self._bounce.put(buf)
 

@@ -1,0 +1,210 @@
+"""Small blobs in the raw engine: packs, grouped reads, batch calls (Note: [Small blobs travel
+in packs] in ``tiers/_raw.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from tierstore.config import StoreConfig
+from tierstore.errors import CorruptTensorError
+from tierstore.tiers import WriteRequest, _checksum, _memcopy
+from tierstore.tiers._raw import PAGE, RawEngine
+
+from .engine_conformance import KiB, MiB, make_dirs, random_bytes
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from pathlib import Path
+
+
+@pytest.fixture
+def config() -> StoreConfig:
+    # Chunks of 1 MiB: packs hold up to 1 MiB, and blobs up to 1 MiB are packed.
+    return StoreConfig.from_env({}, io_chunk_bytes=MiB, io_threads=4)
+
+
+@pytest.fixture
+async def engine(tmp_path: Path, config: StoreConfig) -> AsyncIterator[RawEngine]:
+    e = RawEngine(make_dirs(tmp_path, 1), config)
+    yield e
+    await e.close()
+
+
+def _on_disk(engine: RawEngine, key: int) -> bytes:
+    c = engine._blobs[key].chunks[0]
+    with open(c.file.path, "rb") as f:
+        f.seek(c.offset)
+        return f.read(c.length)
+
+
+async def test_writes_arriving_together_go_out_as_one_pack(engine: RawEngine) -> None:
+    srcs = {k: random_bytes(5 * KiB + k, seed=k) for k in range(64)}  # 64 x 8 KiB padded
+    await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+    assert engine.packs_written == 1
+    extents = sorted(engine._blobs[k].extents[0][1] for k in srcs)
+    # Each blob owns its own page-aligned piece, one after another.
+    assert extents == [extents[0] + i * 2 * PAGE for i in range(64)]
+    for k, t in srcs.items():
+        assert _on_disk(engine, k) == t.numpy().tobytes()
+
+
+async def test_a_full_pack_goes_out_and_the_next_one_opens(engine: RawEngine) -> None:
+    srcs = {k: random_bytes(256 * KiB, seed=k) for k in range(10)}  # 4 fit in 1 MiB
+    await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+    assert engine.packs_written == 3
+    for k, t in srcs.items():
+        out = torch.empty_like(t)
+        await engine.read(k, out)
+        assert torch.equal(out, t)
+
+
+async def test_blobs_bigger_than_a_pack_are_not_packed(engine: RawEngine) -> None:
+    await engine.write(1, random_bytes(MiB + 1))
+    assert engine.packs_written == 0
+    assert len(engine._blobs[1].chunks) == 2
+
+
+async def test_a_packed_blob_is_freed_on_its_own(engine: RawEngine) -> None:
+    srcs = {k: random_bytes(16 * KiB, seed=k) for k in range(8)}
+    await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+    free = engine.reusable_bytes()
+    await engine.delete(3)
+    assert engine.reusable_bytes() == free + 16 * KiB
+    # The hole is reused by the next blob that fits, and the neighbours are untouched.
+    hole = engine._blobs[4].extents[0][1] - 16 * KiB
+    await engine.write(99, random_bytes(16 * KiB, seed=99))
+    assert engine._blobs[99].extents[0][1] == hole
+    for k, t in srcs.items():
+        if k != 3:
+            out = torch.empty_like(t)
+            await engine.read(k, out)
+            assert torch.equal(out, t)
+
+
+async def test_neighbours_are_read_with_one_request(
+    engine: RawEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srcs = {k: random_bytes(20 * KiB + k, seed=k) for k in range(16)}
+    await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+    reads: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, bufs: list[memoryview], offset: int) -> int:
+        reads.append(len(bufs[0]))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    outs = {k: torch.empty_like(t) for k, t in srcs.items()}
+    await asyncio.gather(*(engine.read(k, outs[k]) for k in reversed(srcs)))
+    assert len(reads) == 1 and engine.grouped_reads == 1
+    for k, t in srcs.items():
+        assert torch.equal(outs[k], t)
+
+
+async def test_a_damaged_blob_fails_alone_in_its_group(engine: RawEngine) -> None:
+    srcs = {k: random_bytes(12 * KiB, seed=k) for k in range(6)}
+    await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+    c = engine._blobs[2].chunks[0]
+    with open(c.file.path, "r+b") as f:
+        f.seek(c.offset + 100)
+        byte = f.read(1)
+        f.seek(c.offset + 100)
+        f.write(bytes([byte[0] ^ 0x10]))
+    outs = {k: torch.empty_like(t) for k, t in srcs.items()}
+    results = await asyncio.gather(*(engine.read(k, outs[k]) for k in srcs), return_exceptions=True)
+    assert isinstance(results[2], CorruptTensorError)
+    assert "CRC32C" in str(results[2])
+    for k, t in srcs.items():
+        if k != 2:
+            assert results[k] is None
+            assert torch.equal(outs[k], t)
+
+
+async def test_a_failed_pack_fails_every_blob_in_it_and_frees_its_space(
+    engine: RawEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await engine.write(0, random_bytes(10))
+    free = engine.reusable_bytes()
+
+    def failing(fd: int, data: memoryview, offset: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "pwrite", failing)
+    results = await asyncio.gather(
+        *(engine.write(k, random_bytes(8 * KiB, seed=k)) for k in range(1, 9)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, OSError) and r.errno == errno.EIO for r in results)
+    assert set(engine._blobs) == {0}
+    assert engine.reusable_bytes() == free
+
+
+async def test_a_cancelled_packed_write_leaves_no_space_taken(engine: RawEngine) -> None:
+    await engine.write(0, random_bytes(10))
+    free = engine.reusable_bytes()
+    task = asyncio.create_task(engine.write(1, random_bytes(8 * KiB)))
+    await asyncio.sleep(0)  # the blob has joined the open pack
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait(set(engine._batch_tasks))  # the pack is written all the same...
+    assert 1 not in engine._blobs
+    assert engine.reusable_bytes() == free  # ...and its piece given back
+
+
+async def test_write_many_and_read_many_report_each_outcome(engine: RawEngine) -> None:
+    await engine.write(5, random_bytes(100))
+    srcs = [random_bytes(n, seed=n) for n in (1, PAGE, 3 * MiB + 7, 70 * KiB)]
+    requests = [WriteRequest(k, t) for k, t in enumerate(srcs)]
+    requests.append(WriteRequest(5, random_bytes(10)))  # already stored
+    outcomes = await engine.write_many(requests)
+    assert outcomes[:4] == [None] * 4
+    assert isinstance(outcomes[4], KeyError)
+    outs = [torch.empty_like(t) for t in srcs]
+    read_outcomes = await engine.read_many(
+        [
+            *((k, o) for k, o in enumerate(outs)),
+            (77, torch.empty(3, dtype=torch.uint8)),
+            (5, torch.empty(99, dtype=torch.uint8)),
+        ]
+    )
+    assert read_outcomes[:4] == [None] * 4
+    assert isinstance(read_outcomes[4], KeyError)
+    assert isinstance(read_outcomes[5], CorruptTensorError)  # wrong size
+    for t, o in zip(srcs, outs, strict=True):
+        assert torch.equal(o, t)
+
+
+async def test_buffered_packs_round_trip(tmp_path: Path, config: StoreConfig) -> None:
+    engine = RawEngine(make_dirs(tmp_path, 2), config.replace(direct_io="off"))
+    try:
+        srcs = {k: random_bytes(3 * KiB + k, seed=k) for k in range(40)}
+        await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+        outs = {k: torch.empty_like(t) for k, t in srcs.items()}
+        await asyncio.gather(*(engine.read(k, outs[k]) for k in srcs))
+        for k, t in srcs.items():
+            assert torch.equal(outs[k], t)
+            assert _on_disk(engine, k) == t.numpy().tobytes()
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize("n", [1, 4095, _checksum.SHORT_CALL_BYTES, _checksum.SHORT_CALL_BYTES + 1])
+def test_short_and_long_foreign_calls_agree(n: int) -> None:
+    # Note: [Short foreign calls keep the GIL]: both kinds of call give the same bytes.
+    import google_crc32c
+
+    src = random_bytes(n, seed=n)
+    dst = torch.zeros(n + 8, dtype=torch.uint8)
+    _memcopy.memmove(dst.data_ptr(), src.data_ptr(), n)
+    _memcopy.memset(dst.data_ptr() + n, 0xAB, 8)
+    assert torch.equal(dst[:n], src)
+    assert bytes(dst[n:].numpy()) == b"\xab" * 8
+    data = bytes(src.numpy())
+    assert _checksum.crc32c(src.data_ptr(), n) == google_crc32c.value(data)
