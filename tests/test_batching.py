@@ -3,45 +3,33 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from reliability.faults import FaultyEngine
 from tierstore import AsyncTieredStore, TensorHandle, Tier
-from tierstore.tiers import DiskEngine, WriteRequest
 from tierstore.tiers._raw import RawEngine
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from pathlib import Path
+
+    from tierstore.tiers import DiskEngine, WriteRequest
 
 KiB = 1 << 10
 MiB = 1 << 20
 
 
-class RecordingEngine(DiskEngine):
-    """Wraps an engine and records the size of every batch call."""
+class RecordingEngine(FaultyEngine):
+    """A pass-through wrapper (no faults injected) that records the size of every batch call."""
 
     name = "recording"
 
     def __init__(self, inner: DiskEngine) -> None:
-        super().__init__(inner.directories, inner.config)
-        self.inner = inner
+        super().__init__(inner)
         self.write_batches: list[int] = []
         self.read_batches: list[int] = []
-
-    def footprint(self, nbytes: int) -> int:
-        return self.inner.footprint(nbytes)
-
-    async def write(
-        self,
-        key: int,
-        src: torch.Tensor,
-        *,
-        dtype: torch.dtype | None = None,
-        shape: tuple[int, ...] | None = None,
-    ) -> None:
-        await self.inner.write(key, src, dtype=dtype, shape=shape)
-
-    async def read(self, key: int, out: torch.Tensor) -> None:
-        await self.inner.read(key, out)
 
     async def write_many(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
         self.write_batches.append(len(requests))
@@ -52,12 +40,6 @@ class RecordingEngine(DiskEngine):
     ) -> list[BaseException | None]:
         self.read_batches.append(len(requests))
         return await self.inner.read_many(requests)
-
-    async def delete(self, key: int) -> None:
-        await self.inner.delete(key)
-
-    async def close(self) -> None:
-        await self.inner.close()
 
 
 async def _until_on_disk(store: AsyncTieredStore, handles: list[TensorHandle]) -> None:

@@ -904,17 +904,19 @@ class StoreCore:
                 [(e.key, buf) for e, buf in zip(disk, bufs, strict=True)]
             )
         t1 = time.perf_counter()
-        sources: dict[int, torch.Tensor | BaseException] = {}
-        for e, buf, err in zip(disk, bufs, read_errors, strict=True):
-            sources[e.key] = err if err is not None else from_bytes(buf, e.dtype, e.shape)
+        read_error = {e.key: err for e, err in zip(disk, read_errors, strict=True)}
+        buffers = {e.key: buf for e, buf in zip(disk, bufs, strict=True)}
         results: list[tuple[_Entry, torch.Tensor | Exception]] = []
         for e in live:
-            src = sources.get(e.key, e.host)
-            if isinstance(src, BaseException) and not isinstance(src, Exception):
-                raise src  # cancelled at close
+            err = read_error.get(e.key)
+            if err is not None and not isinstance(err, Exception):
+                raise err  # cancelled at close
+            if err is not None:
+                results.append((e, err))
+                continue
             try:
-                if isinstance(src, Exception):
-                    raise src
+                buf = buffers.get(e.key)
+                src = e.host if buf is None else from_bytes(buf, e.dtype, e.shape)
                 assert src is not None
                 results.append((e, copy_to_device(src, e.device)))
             except Exception as exc:
@@ -924,9 +926,7 @@ class StoreCore:
         with self._lock:
             st = self._stats
             if disk:
-                st.bytes_from_disk += sum(
-                    e.nbytes for e, err in zip(disk, read_errors, strict=True) if err is None
-                )
+                st.bytes_from_disk += sum(e.nbytes for e in disk if read_error[e.key] is None)
                 st.seconds_from_disk += t1 - t0
             for e, out in results:
                 fut = e.fetch_future

@@ -420,8 +420,10 @@ class RawEngine(DiskEngine):
         if key in self._blobs:
             raise KeyError(f"key {key} is already stored; delete it first")
         _check_bytes(src, "src")
-        if 0 < src.numel() <= self._pack_max:
-            self._blobs[key] = await self._write_packed(src)
+        if self._packable(src.numel()):
+            # A cancelled caller cancels the future; the pack still holds ``src`` and frees
+            # the blob's piece once written (see _flush_pack).
+            self._blobs[key] = await self._enqueue_pack(src)
             return
         blob = await self._place(src.numel())
         try:
@@ -447,8 +449,10 @@ class RawEngine(DiskEngine):
             raise CorruptTensorError(
                 f"key {key}: {blob.size} bytes were spilled but {out.numel()} were asked for"
             )
-        if len(blob.chunks) == 1 and blob.size <= self._pack_max:
-            await self._read_grouped(blob, out)
+        if self._groupable(blob):
+            # A cancelled caller cancels the future; the group still holds ``out``, so the
+            # copy into it lands in memory that is still alive.
+            await self._enqueue_read(blob, out)
             return
         await self._run(self._read_chunk, blob, _byte_view(out), out.data_ptr())
 
@@ -461,8 +465,7 @@ class RawEngine(DiskEngine):
         waits: list[asyncio.Future[Any]] = []
         packed: list[bool] = []
         for r in requests:
-            n = r.src.numel()
-            small = r.key not in self._blobs and _is_bytes(r.src) and 0 < n <= self._pack_max
+            small = r.key not in self._blobs and _is_bytes(r.src) and self._packable(r.src.numel())
             packed.append(small)
             if small:
                 waits.append(self._enqueue_pack(r.src))
@@ -493,13 +496,12 @@ class RawEngine(DiskEngine):
             blob = self._blobs.get(key)
             if (
                 blob is not None
-                and len(blob.chunks) == 1
-                and blob.size <= self._pack_max
+                and self._groupable(blob)
                 and _is_bytes(out)
                 and out.numel() == blob.size
             ):
                 waits.append(self._enqueue_read(blob, out))
-            else:
+            else:  # big blobs, and requests read() refuses with the right error
                 waits.append(asyncio.ensure_future(self.read(key, out)))
         await _all_done(waits)
         return [fut.exception() for fut in waits]  # never cancelled: _all_done raised then
@@ -614,10 +616,11 @@ class RawEngine(DiskEngine):
 
     # -- small blobs: packs and grouped reads (Note: [Small blobs travel in packs]) ----------
 
-    async def _write_packed(self, src: torch.Tensor) -> _Blob:
-        # A cancelled caller cancels the future; the pack still holds ``src`` and frees the
-        # blob's piece once written (see _flush_pack).
-        return await self._enqueue_pack(src)
+    def _packable(self, nbytes: int) -> bool:
+        return 0 < nbytes <= self._pack_max
+
+    def _groupable(self, blob: _Blob) -> bool:
+        return len(blob.chunks) == 1 and blob.size <= self._pack_max
 
     def _enqueue_pack(self, src: torch.Tensor) -> asyncio.Future[_Blob]:
         loop = asyncio.get_running_loop()
@@ -653,14 +656,9 @@ class RawEngine(DiskEngine):
         task.add_done_callback(self._batch_tasks.discard)
 
     async def _flush_pack(self, items: list[_PackItem]) -> None:
+        blobs: list[_Blob] = []
         try:
             blobs = await self._place_pack(items)
-        except BaseException as exc:
-            self._packs_writing -= 1
-            _fail_all([it.done for it in items], exc)
-            self._pack_due()
-            return
-        try:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._pool, self._write_pack, items, blobs)
         except BaseException as exc:
@@ -694,11 +692,6 @@ class RawEngine(DiskEngine):
             blobs.append(_Blob(n, [(f, offset, _pad(n))], [_Chunk(f, offset, 0, n)], [0]))
             offset += _pad(n)
         return blobs
-
-    async def _read_grouped(self, blob: _Blob, out: torch.Tensor) -> None:
-        # A cancelled caller cancels the future; the group still holds ``out``, so the copy
-        # into it lands in memory that is still alive.
-        await self._enqueue_read(blob, out)
 
     def _enqueue_read(self, blob: _Blob, out: torch.Tensor) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()
@@ -920,9 +913,7 @@ def _free_granted(done: asyncio.Future[int | None], f: _SpillFile, nbytes: int) 
 
 
 def _check_bytes(t: torch.Tensor, name: str) -> None:
-    import torch
-
-    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous() or t.device.type != "cpu":
+    if not _is_bytes(t):
         raise TypeError(
             f"{name} must be a 1-D contiguous uint8 CPU tensor, got {t.dtype} {tuple(t.shape)} "
             f"on {t.device}"
