@@ -47,8 +47,11 @@ def test_bench_runs_tiny_and_writes_the_json_schema(tmp_path: Path) -> None:
     engines = {r["engine"] for r in data["results"]}
     assert {
         "raw-limit",
+        "raw-limit-overwrite",
         "tierstore-raw",
+        "tierstore-raw-steady",
         "tierstore-raw-2dirs",
+        "tierstore-raw-2dirs-steady",
         "tierstore-zarr",
         "torch.save",
         "aiofiles",
@@ -56,11 +59,14 @@ def test_bench_runs_tiny_and_writes_the_json_schema(tmp_path: Path) -> None:
     for r in data["results"]:
         assert set(r) == {"engine", "op", "size_bytes", "gbps_min", "gbps_median", "gbps_max"}
         assert r["op"] in {"write", "read"}
+        # Overwriting is a write-only figure: reads have one limit.
+        assert r["engine"] != "raw-limit-overwrite" or r["op"] == "write"
         assert r["size_bytes"] in {64 << 10, 1 << 20}
         assert 0 < r["gbps_min"] <= r["gbps_median"] <= r["gbps_max"]
     pairs = {(r["engine"], r["op"], r["size_bytes"]) for r in data["results"]}
     assert len(pairs) == len(data["results"])  # one row per engine, op and size
     assert "tierstore-raw" in done.stdout and "GB/s" in done.stdout
+    assert "tierstore-raw-steady write = " in done.stdout and "x raw-limit-overwrite" in done.stdout
     assert "page cache" in done.stdout
     # Nothing left behind in the directory the benchmark ran in.
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
@@ -77,5 +83,29 @@ def test_raw_limit_falls_back_to_dd_and_says_so(
     monkeypatch.setattr(_system.shutil, "which", lambda name: None)
     limit = _system.measure_raw_limit(tmp_path, 4 << 20)
     assert limit.tool.startswith("dd") and "fio not installed" in limit.tool
-    assert limit.write_gbps > 0 and limit.read_gbps > 0
+    assert limit.write_gbps > 0 and limit.overwrite_gbps > 0 and limit.read_gbps > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_steady_round_spills_into_the_extents_the_first_round_freed(tmp_path: Path) -> None:
+    """What tierstore-raw-steady measures: a second round reuses the spill file, never grows
+    it (Note: [First spill and steady state])."""
+    import torch
+
+    from tierstore import TieredStore
+    from tierstore.bench._paths import _drained, _store_round
+
+    # 72 MiB: the file grows to 128 MiB, too small to hold a second round beside the first.
+    tensors = [torch.full((4 << 20,), i, dtype=torch.uint8) for i in range(16)]
+    tensors += [torch.full((64 << 10,), i, dtype=torch.uint8) for i in range(128)]
+    with TieredStore(
+        host_bytes=0, device_bytes=0, min_bytes=0, disk_dir=str(tmp_path), timeout=None
+    ) as store:
+        _store_round(store, tensors, "first")
+        (spill,) = tmp_path.rglob("spill.raw")
+        grown = spill.stat().st_size
+        assert grown == 128 << 20
+        for _ in range(3):
+            _drained(store)
+            _store_round(store, tensors, "again")
+            assert spill.stat().st_size == grown

@@ -6,10 +6,13 @@ Example:
 Every measurement pushes ``--total`` bytes of tensors of one size through one path, writes
 them, then reads them back newest first. The paths, all in one run:
 
-* ``raw-limit``: fio with O_DIRECT, 1 MiB blocks, 16 in flight (dd where fio is absent);
+* ``raw-limit``: fio with O_DIRECT, 1 MiB blocks, 16 in flight (dd where fio is absent),
+  writing a new file; ``raw-limit-overwrite``: the same writes over the file just written;
 * ``tierstore-raw``, ``tierstore-raw-2dirs``, ``tierstore-zarr``: a ``TieredStore`` with no
   host tier, so every tensor spills, through ``put``/``get`` (the 2dirs variant stripes over
-  ``--dir`` and ``--dir2``);
+  ``--dir`` and ``--dir2``); ``tierstore-raw-steady`` and ``tierstore-raw-2dirs-steady``: the
+  same tensors again through the same store once the first round is released, as in every
+  training step after the first (Note: [First spill and steady state] in ``_paths.py``);
 * ``raw-engine``: the raw engine without the store around it;
 * ``torch.save``: one ``torch.save``/``torch.load`` file per tensor, as axolotl's offloader;
 * ``aiofiles``: whole-file writes and ``readinto`` reads, 16 in flight;
@@ -47,6 +50,22 @@ DEFAULT_TOTAL = "2GiB"
 DEFAULT_ENGINES = ("raw-limit", *PATHS)
 MAX_TENSORS = 4096
 """At most this many tensors per measurement, so small sizes do not take minutes per file path."""
+
+RATIOS = (
+    ("tierstore-raw", "write", "raw-limit"),
+    ("tierstore-raw", "read", "raw-limit"),
+    ("tierstore-raw-steady", "write", "raw-limit-overwrite"),
+    ("tierstore-raw-steady", "read", "raw-limit"),
+    ("tierstore-raw", "write", "torch.save"),
+    ("tierstore-raw", "read", "torch.save"),
+    ("tierstore-raw-steady", "write", "torch.save"),
+    ("tierstore-raw-steady", "read", "torch.save"),
+    ("raw-engine", "write", "raw-limit"),
+    ("raw-engine", "read", "raw-limit"),
+)
+"""(ours, op, reference) pairs whose median ratios the table ends with. The steady round's
+writes compare with fio overwriting its file (Note: [First spill and steady state]); every
+torch.save round writes new files, in training as here."""
 
 
 def _size_name(n: int) -> str:
@@ -192,15 +211,19 @@ def _run(
             for name in paths:
                 progress.step(f"{name} {_size_name(size)} x{len(tensors)}")
                 timing: Timing = PATHS[name](ctx, tensors)
-                write.setdefault((name, size), []).append(nbytes / timing.write_s / 1e9)
-                read.setdefault((name, size), []).append(nbytes / timing.read_s / 1e9)
-                if timing.cached_delta_bytes is not None:
-                    cached.setdefault(f"{name} {_size_name(size)}", []).append(
-                        timing.cached_delta_bytes
-                    )
-                if size == min(sizes):
-                    per = (timing.write_s + timing.read_s) / len(tensors) * 1e6
-                    us_per_tensor.setdefault(f"{name} {_size_name(size)}", []).append(per)
+                rounds = [(name, timing)]
+                if timing.steady is not None:
+                    rounds.append((f"{name}-steady", timing.steady))
+                for label, t in rounds:
+                    write.setdefault((label, size), []).append(nbytes / t.write_s / 1e9)
+                    read.setdefault((label, size), []).append(nbytes / t.read_s / 1e9)
+                    if t.cached_delta_bytes is not None:
+                        cached.setdefault(f"{label} {_size_name(size)}", []).append(
+                            t.cached_delta_bytes
+                        )
+                    if size == min(sizes):
+                        per = (t.write_s + t.read_s) / len(tensors) * 1e6
+                        us_per_tensor.setdefault(f"{label} {_size_name(size)}", []).append(per)
                 if timing.stats:
                     summaries[name] = timing.stats
         del tensors
@@ -210,13 +233,16 @@ def _run(
     for size in sizes:
         if size in limit_by_size:
             here = limit_by_size[size]
-            for op, values in (
-                ("write", [x.write_gbps for x in here]),
-                ("read", [x.read_gbps for x in here]),
+            for engine, op, values in (
+                ("raw-limit", "write", [x.write_gbps for x in here]),
+                ("raw-limit", "read", [x.read_gbps for x in here]),
+                ("raw-limit-overwrite", "write", [x.overwrite_gbps for x in here]),
             ):
                 lo, med, hi = _stats(values)
-                results.append(_result("raw-limit", op, size, lo, med, hi))
-        for name in paths:
+                results.append(_result(engine, op, size, lo, med, hi))
+        for name, sz in write:
+            if sz != size:
+                continue
             for op, table in (("write", write), ("read", read)):
                 lo, med, hi = _stats(table[(name, size)])
                 results.append(_result(name, op, size, lo, med, hi))
@@ -290,7 +316,7 @@ def _print_table(
     print(f"raw limit: {machine['raw_limit_tool'] or 'not measured'}")
     print(f"page cache: {machine['page_cache']}")
     print()
-    head = f"{'engine':<22}{'size':>8}  {'write GB/s min/med/max':>24}"
+    head = f"{'engine':<26}{'size':>8}  {'write GB/s min/med/max':>24}"
     print(f"{head}  {'read GB/s min/med/max':>24}")
     by_key = {(r["engine"], r["op"], r["size_bytes"]): r for r in results}
     engines = list(dict.fromkeys(str(r["engine"]) for r in results))
@@ -298,22 +324,18 @@ def _print_table(
         for name in engines:
             w = by_key.get((name, "write", size))
             r = by_key.get((name, "read", size))
-            if w is None or r is None:
+            if w is None and r is None:
                 continue
-            print(f"{name:<22}{_size_name(size):>8}  {_triple(w):>24}  {_triple(r):>24}")
+            print(f"{name:<26}{_size_name(size):>8}  {_triple(w):>24}  {_triple(r):>24}")
         print()
     for size in sizes:
         lines = []
-        for name in ("tierstore-raw", "raw-engine"):
-            for op in ("write", "read"):
-                ours = by_key.get((name, op, size))
-                if ours is None:
-                    continue
-                for ref in ("raw-limit", "torch.save"):
-                    other = by_key.get((ref, op, size))
-                    if other is not None:
-                        ratio = ours["gbps_median"] / max(other["gbps_median"], 1e-9)
-                        lines.append(f"{name} {op} = {ratio:.2f}x {ref}")
+        for name, op, ref in RATIOS:
+            ours = by_key.get((name, op, size))
+            other = by_key.get((ref, op, size))
+            if ours is not None and other is not None:
+                ratio = ours["gbps_median"] / max(other["gbps_median"], 1e-9)
+                lines.append(f"{name} {op} = {ratio:.2f}x {ref}")
         if lines:
             print(f"ratios of medians at {_size_name(size)}: " + "; ".join(lines))
     cached = machine.get("cached_growth_while_spilling_bytes")
@@ -331,7 +353,9 @@ def _print_table(
         print(f"{name} stats: {summary}")
 
 
-def _triple(r: Row) -> str:
+def _triple(r: Row | None) -> str:
+    if r is None:
+        return "-"
     return f"{r['gbps_min']:.2f}/{r['gbps_median']:.2f}/{r['gbps_max']:.2f}"
 
 
@@ -356,7 +380,7 @@ def _plot(results: list[Row], path: Path, machine: dict[str, object]) -> None:
             med = [float(r["gbps_median"]) for r in rows]
             lo = [float(r["gbps_min"]) for r in rows]
             hi = [float(r["gbps_max"]) for r in rows]
-            style = "--" if name == "raw-limit" else "-"
+            style = "--" if name.startswith("raw-limit") else "-"
             (line,) = ax.plot(xs, med, style, marker="o", label=name)
             ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
         ax.set_xscale("log", base=2)

@@ -89,7 +89,10 @@ class RawLimit:
     tool: str
     """The command that measured it."""
     write_gbps: float
-    """Sequential O_DIRECT writes, GB/s (10**9 bytes per second)."""
+    """Sequential O_DIRECT writes into a new file, GB/s (10**9 bytes per second)."""
+    overwrite_gbps: float
+    """The same writes again over the file just written: the limit for steady-state spilling
+    (Note: [First spill and steady state] in ``_paths.py``)."""
     read_gbps: float
     """Sequential O_DIRECT reads, GB/s."""
 
@@ -117,7 +120,9 @@ def _fio(path: Path, nbytes: int, rw: str, engine: str) -> float:
 def _dd(path: Path, nbytes: int, rw: str) -> float:
     count = max(1, nbytes // MiB)
     if rw == "write":
+        # notrunc: a second write overwrites the blocks instead of allocating new ones.
         cmd = ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "oflag=direct"]
+        cmd.append("conv=notrunc")
     else:
         cmd = ["dd", f"if={path}", "of=/dev/null", "bs=1M", f"count={count}", "iflag=direct"]
     t0 = time.perf_counter()
@@ -129,7 +134,8 @@ def measure_raw_limit(directory: Path, nbytes: int) -> RawLimit:
     """The disk's own O_DIRECT speed in ``directory``: fio if installed, else dd.
 
     fio runs 1 MiB blocks with 16 in flight through io_uring (libaio where io_uring fails);
-    dd, the fallback, has one request in flight and so reads lower than the disk can do.
+    dd, the fallback, has one request in flight and so reads lower than the disk can do. The
+    file is written twice, new and then overwritten, and read once.
     """
     nbytes = max(MiB, nbytes // MiB * MiB)
     path = directory / f".tierstore-bench-rawlimit-{os.getpid()}"
@@ -138,13 +144,16 @@ def measure_raw_limit(directory: Path, nbytes: int) -> RawLimit:
             for engine in ("io_uring", "libaio"):
                 try:
                     w = _fio(path, nbytes, "write", engine)
+                    o = _fio(path, nbytes, "write", engine)
                     r = _fio(path, nbytes, "read", engine)
                 except (subprocess.CalledProcessError, RuntimeError, ValueError, KeyError):
+                    path.unlink(missing_ok=True)
                     continue
-                return RawLimit(f"fio direct=1 bs=1M iodepth=16 ioengine={engine}", w, r)
+                return RawLimit(f"fio direct=1 bs=1M iodepth=16 ioengine={engine}", w, o, r)
         w = _dd(path, nbytes, "write")
+        o = _dd(path, nbytes, "write")
         r = _dd(path, nbytes, "read")
-        return RawLimit("dd bs=1M oflag=direct/iflag=direct (fio not installed)", w, r)
+        return RawLimit("dd bs=1M oflag=direct/iflag=direct (fio not installed)", w, o, r)
     finally:
         path.unlink(missing_ok=True)
 
