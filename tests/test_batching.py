@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from reliability.faults import FaultyEngine
 from tierstore import AsyncTieredStore, TensorHandle, Tier
+from tierstore.tiers import DiskEngine
 from tierstore.tiers._raw import RawEngine
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from pathlib import Path
 
-    from tierstore.tiers import DiskEngine, WriteRequest
+    import pytest
+
+    from tierstore.tiers import WriteRequest
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -30,6 +34,7 @@ class RecordingEngine(FaultyEngine):
         super().__init__(inner)
         self.write_batches: list[int] = []
         self.read_batches: list[int] = []
+        self.delete_batches: list[int] = []
 
     async def write_many(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
         self.write_batches.append(len(requests))
@@ -40,6 +45,10 @@ class RecordingEngine(FaultyEngine):
     ) -> list[BaseException | None]:
         self.read_batches.append(len(requests))
         return await self.inner.read_many(requests)
+
+    async def delete_many(self, keys: Sequence[int]) -> list[BaseException | None]:
+        self.delete_batches.append(len(keys))
+        return await self.inner.delete_many(keys)
 
 
 async def _until_on_disk(store: AsyncTieredStore, handles: list[TensorHandle]) -> None:
@@ -82,3 +91,58 @@ async def test_big_entries_are_not_batched(tmp_path: Path) -> None:
         assert recorder[0].read_batches == [1, 1, 1]
         for t, b in zip(tensors, reversed(back), strict=True):
             assert torch.equal(t, b)
+
+
+async def test_releases_free_spill_space_in_one_batch(tmp_path: Path) -> None:
+    async with AsyncTieredStore(host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)) as store:
+        recorder: list[RecordingEngine] = []
+        store._core.wrap_engine(lambda e: recorder.append(RecordingEngine(e)) or recorder[0])
+        engine = recorder[0]
+        inner = engine.inner
+        assert isinstance(inner, RawEngine)
+        handles = [await store.put(torch.randn(4 * KiB)) for _ in range(200)]
+        await _until_on_disk(store, handles)
+        free_before = inner.reusable_bytes()
+        for h in handles:
+            await store.release(h)
+        while store._core._deleting:
+            await asyncio.sleep(0.001)
+        # 200 releases in one turn: one hand-off, not a task each; every extent is free again.
+        assert engine.delete_batches == [200]
+        assert inner.reusable_bytes() == free_before + 200 * 16 * KiB
+
+
+class FailingDeletes(RecordingEngine):
+    async def delete(self, key: int) -> None:
+        if key % 2:
+            raise OSError(5, f"cannot free #{key}")
+        await self.inner.delete(key)
+
+    async def delete_many(self, keys: Sequence[int]) -> list[BaseException | None]:
+        self.delete_batches.append(len(keys))
+        return await DiskEngine.delete_many(self, keys)  # the default: one delete() each
+
+
+async def test_a_failed_delete_is_logged_and_the_others_still_free_their_space(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with AsyncTieredStore(host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)) as store:
+        recorder: list[FailingDeletes] = []
+        store._core.wrap_engine(lambda e: recorder.append(FailingDeletes(e)) or recorder[0])
+        inner = recorder[0].inner
+        assert isinstance(inner, RawEngine)
+        handles = [await store.put(torch.randn(4 * KiB)) for _ in range(10)]
+        await _until_on_disk(store, handles)
+        free_before = inner.reusable_bytes()
+        keys = [h.key for h in handles]
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            for h in handles:
+                await store.release(h)
+            while store._core._deleting:
+                await asyncio.sleep(0.001)
+        assert recorder[0].delete_batches == [10]
+        odd = [k for k in keys if k % 2]
+        assert len(odd) == 5
+        for k in odd:
+            assert f"tensor #{k} failed: [Errno 5] cannot free #{k}" in caplog.text
+        assert inner.reusable_bytes() == free_before + 5 * 16 * KiB  # the even keys' extents

@@ -422,14 +422,20 @@ class StoreCore:
         self._spawn_soon = False
         spills: list[_Entry] = []
         fetches: list[_Entry] = []
+        deletes: list[tuple[int, int]] = []
         while self._spawns:
             fn, args = self._spawns.popleft()
             if fn == self._spill_many and args[0][0].nbytes <= _BATCH_BYTES:
                 spills.extend(args[0])
             elif fn == self._fetch_many and args[0][0].disk and args[0][0].nbytes <= _BATCH_BYTES:
                 fetches.extend(args[0])
+            elif fn == self._delete_many:
+                deletes.extend(args[0])
             else:
                 self._start_task(fn, args)
+        if deletes:
+            # First: space freed now is space the spills below can reuse.
+            self._start_task(self._delete_many, (deletes,))
         for batch in _batches(spills):
             self._start_task(self._spill_many, (batch,))
         for batch in _batches(fetches):
@@ -1052,18 +1058,23 @@ class StoreCore:
             self._set_disk(e, 0)
             if not self._closed:  # at close the engine deletes every file at once
                 self._deleting += footprint
-                self._spawn(self._delete, e.key, footprint)
+                self._spawn(self._delete_many, [(e.key, footprint)])
         e.ready = None
 
-    async def _delete(self, key: int, footprint: int) -> None:
+    async def _delete_many(self, deletes: list[tuple[int, int]]) -> None:
+        """Free the spill space of released entries: ``(key, footprint)`` pairs, one call."""
+        outcomes: list[BaseException | None] = []
         try:
             if self._engine is not None:
-                await self._engine.delete(key)
+                outcomes = await self._engine.delete_many([key for key, _ in deletes])
         except Exception as exc:  # the file goes at close anyway
-            log.warning("tierstore: freeing spill space of tensor #%d failed: %s", key, exc)
+            outcomes = [exc] * len(deletes)
         finally:
             with self._lock:
-                self._deleting -= footprint
+                self._deleting -= sum(footprint for _, footprint in deletes)
+        for (key, _), err in zip(deletes, outcomes, strict=False):
+            if err is not None:
+                log.warning("tierstore: freeing spill space of tensor #%d failed: %s", key, err)
 
     # ------------------------------------------------------------------ queries
 

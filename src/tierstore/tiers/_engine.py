@@ -56,8 +56,9 @@ class DiskEngine(abc.ABC):
           key is in flight.
         * ``write_many(requests)`` / ``read_many(requests)``: several writes or reads at once,
           with one outcome per request (``None`` or the exception ``write``/``read`` would
-          have raised). The store hands over everything it has queued at once, so an engine
-          can batch; the defaults run ``write``/``read`` concurrently.
+          have raised). ``delete_many(keys)`` likewise frees several keys. The store hands
+          over everything it has queued at once, so an engine can batch; the defaults run
+          ``write``/``read``/``delete`` concurrently.
         * ``close()``: delete every file; the store removes the directories afterwards.
         Nothing on the load path may unpickle.
     """
@@ -126,6 +127,11 @@ class DiskEngine(abc.ABC):
     @abc.abstractmethod
     async def delete(self, key: int) -> None:
         """Free the space of ``key``."""
+
+    async def delete_many(self, keys: Sequence[int]) -> list[BaseException | None]:
+        """Free the space of several keys; one outcome per key, in order (``None``: freed)."""
+        results = await asyncio.gather(*(self.delete(k) for k in keys), return_exceptions=True)
+        return [r if isinstance(r, BaseException) else None for r in results]
 
     @abc.abstractmethod
     async def close(self) -> None:

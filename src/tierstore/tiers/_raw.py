@@ -21,6 +21,17 @@ Note: [Bounce buffers]
     allocated once when the engine opens; aligned chunks (tensors from a page-aligned pool) go
     straight from and to the tensor. Copies and checksums run through ``ctypes`` calls, which
     release the GIL, so the I/O threads work in parallel.
+
+Note: [Small blobs travel in packs]
+    A request for a 64 KiB blob costs about as much Python, GIL hand-off and kernel time as
+    one for 8 MiB. Blobs up to ``_PACK_MAX`` that arrive in one turn of the event loop are
+    therefore assembled in one bounce buffer and written as one extent with one ``pwrite``
+    (group commit: while ``io_threads`` packs are in flight the open one keeps growing); each
+    blob keeps its own page-aligned piece and CRC, so it is read and freed on its own. Small
+    reads that arrive together are sorted by offset and neighbours are read with one
+    ``pread``. A caller's blobs share one :class:`_Waiter` rather than a future each: per-blob
+    futures, with their callbacks and contexts, were a quarter of the objects the garbage
+    collector had to walk for every spilled tensor. ``docs/disk-engine.md`` has the figures.
 """
 
 from __future__ import annotations
@@ -421,9 +432,15 @@ class RawEngine(DiskEngine):
             raise KeyError(f"key {key} is already stored; delete it first")
         _check_bytes(src, "src")
         if self._packable(src.numel()):
-            # A cancelled caller cancels the future; the pack still holds ``src`` and frees
+            # A cancelled caller cancels the waiter; the pack still holds ``src`` and frees
             # the blob's piece once written (see _flush_pack).
-            self._blobs[key] = await self._enqueue_pack(src)
+            waiter = _Waiter(1)
+            item = self._enqueue_pack(src, waiter)
+            await waiter.done
+            if item.error is not None:
+                raise item.error
+            assert item.blob is not None
+            self._blobs[key] = item.blob
             return
         blob = await self._place(src.numel())
         try:
@@ -450,9 +467,13 @@ class RawEngine(DiskEngine):
                 f"key {key}: {blob.size} bytes were spilled but {out.numel()} were asked for"
             )
         if self._groupable(blob):
-            # A cancelled caller cancels the future; the group still holds ``out``, so the
+            # A cancelled caller cancels the waiter; the group still holds ``out``, so the
             # copy into it lands in memory that is still alive.
-            await self._enqueue_read(blob, out)
+            waiter = _Waiter(1)
+            item = self._enqueue_read(blob, out, waiter)
+            await waiter.done
+            if item.error is not None:
+                raise item.error
             return
         await self._run(self._read_chunk, blob, _byte_view(out), out.data_ptr())
 
@@ -462,25 +483,34 @@ class RawEngine(DiskEngine):
         See :meth:`DiskEngine.write_many`.
         """
         self._check_open()
-        waits: list[asyncio.Future[Any]] = []
-        packed: list[bool] = []
+        waiter = _Waiter(0)
+        waits: list[asyncio.Future[Any]] = [waiter.done]
+        slots: list[_PackItem | asyncio.Future[None]] = []
         for r in requests:
-            small = r.key not in self._blobs and _is_bytes(r.src) and self._packable(r.src.numel())
-            packed.append(small)
-            if small:
-                waits.append(self._enqueue_pack(r.src))
+            if r.key not in self._blobs and _is_bytes(r.src) and self._packable(r.src.numel()):
+                waiter.pending += 1
+                slots.append(self._enqueue_pack(r.src, waiter))
             else:
-                waits.append(asyncio.ensure_future(self.write(r.key, r.src)))
+                fut = asyncio.ensure_future(self.write(r.key, r.src))
+                waits.append(fut)
+                slots.append(fut)
+        if not waiter.pending:
+            waiter.done.set_result(None)
         try:
             await _all_done(waits)
         finally:
             # Also when cancelled: what was written stays stored under its key.
             outcomes: list[BaseException | None] = []
-            for r, small, fut in zip(requests, packed, waits, strict=True):
-                exc = fut.exception() if not fut.cancelled() else asyncio.CancelledError()
-                if exc is None and small:
-                    self._blobs[r.key] = fut.result()
-                outcomes.append(exc)
+            for r, slot in zip(requests, slots, strict=True):
+                if isinstance(slot, _PackItem):
+                    if slot.blob is not None:
+                        self._blobs[r.key] = slot.blob
+                        outcomes.append(None)
+                    else:
+                        outcomes.append(slot.error or asyncio.CancelledError())
+                else:
+                    cancelled = slot.cancelled()
+                    outcomes.append(asyncio.CancelledError() if cancelled else slot.exception())
         return outcomes
 
     async def read_many(
@@ -491,7 +521,9 @@ class RawEngine(DiskEngine):
         See :meth:`DiskEngine.read_many`.
         """
         self._check_open()
-        waits: list[asyncio.Future[Any]] = []
+        waiter = _Waiter(0)
+        waits: list[asyncio.Future[Any]] = [waiter.done]
+        slots: list[_ReadItem | asyncio.Future[None]] = []
         for key, out in requests:
             blob = self._blobs.get(key)
             if (
@@ -500,17 +532,31 @@ class RawEngine(DiskEngine):
                 and _is_bytes(out)
                 and out.numel() == blob.size
             ):
-                waits.append(self._enqueue_read(blob, out))
+                waiter.pending += 1
+                slots.append(self._enqueue_read(blob, out, waiter))
             else:  # big blobs, and requests read() refuses with the right error
-                waits.append(asyncio.ensure_future(self.read(key, out)))
+                fut = asyncio.ensure_future(self.read(key, out))
+                waits.append(fut)
+                slots.append(fut)
+        if not waiter.pending:
+            waiter.done.set_result(None)
         await _all_done(waits)
-        return [fut.exception() for fut in waits]  # never cancelled: _all_done raised then
+        # Nothing was cancelled: _all_done raised then.
+        return [slot.error if isinstance(slot, _ReadItem) else slot.exception() for slot in slots]
 
     async def delete(self, key: int) -> None:
         """Free the extents of ``key`` for reuse (a missing key is ignored)."""
         blob = self._blobs.pop(key, None)
         if blob is not None:
             self._free(blob)
+
+    async def delete_many(self, keys: Sequence[int]) -> list[BaseException | None]:
+        """Free the extents of several keys (missing keys are ignored); no I/O, no task each."""
+        for key in keys:
+            blob = self._blobs.pop(key, None)
+            if blob is not None:
+                self._free(blob)
+        return [None] * len(keys)
 
     async def close(self) -> None:
         """Wait for the I/O threads, close and remove the spill files (idempotent)."""
@@ -622,9 +668,8 @@ class RawEngine(DiskEngine):
     def _groupable(self, blob: _Blob) -> bool:
         return len(blob.chunks) == 1 and blob.size <= self._pack_max
 
-    def _enqueue_pack(self, src: torch.Tensor) -> asyncio.Future[_Blob]:
-        loop = asyncio.get_running_loop()
-        item = _PackItem(src, loop.create_future())
+    def _enqueue_pack(self, src: torch.Tensor, waiter: _Waiter) -> _PackItem:
+        item = _PackItem(src, waiter)
         padded = _pad(src.numel())
         if self._pack_bytes + padded > self._chunk:
             self._start_pack()
@@ -634,8 +679,8 @@ class RawEngine(DiskEngine):
             self._start_pack()
         elif not self._pack_soon:
             self._pack_soon = True
-            loop.call_soon(self._pack_due)
-        return item.done
+            asyncio.get_running_loop().call_soon(self._pack_due)
+        return item
 
     def _pack_due(self) -> None:
         self._pack_soon = False
@@ -664,14 +709,17 @@ class RawEngine(DiskEngine):
         except BaseException as exc:
             for b in blobs:
                 self._free(b)
-            _fail_all([it.done for it in items], exc)
+            for it in items:
+                it.error = exc
+                it.waiter.finish_one()
         else:
             self.packs_written += 1
             for it, b in zip(items, blobs, strict=True):
-                if it.done.cancelled():
+                if it.waiter.done.cancelled():
                     self._free(b)  # its writer was cancelled: nobody owns the blob
                 else:
-                    it.done.set_result(b)
+                    it.blob = b
+                    it.waiter.finish_one()
         finally:
             self._packs_writing -= 1
             if self._pack and not self._pack_soon:
@@ -693,14 +741,13 @@ class RawEngine(DiskEngine):
             offset += _pad(n)
         return blobs
 
-    def _enqueue_read(self, blob: _Blob, out: torch.Tensor) -> asyncio.Future[None]:
-        loop = asyncio.get_running_loop()
-        item = _ReadItem(blob, out, loop.create_future())
+    def _enqueue_read(self, blob: _Blob, out: torch.Tensor, waiter: _Waiter) -> _ReadItem:
+        item = _ReadItem(blob, out, waiter)
         self._reads.append(item)
         if not self._reads_soon:
             self._reads_soon = True
-            loop.call_soon(self._start_reads)
-        return item.done
+            asyncio.get_running_loop().call_soon(self._start_reads)
+        return item
 
     def _start_reads(self) -> None:
         """Sort the small reads asked for so far by place, and read neighbours together."""
@@ -726,20 +773,17 @@ class RawEngine(DiskEngine):
 
     async def _read_group(self, items: list[_ReadItem]) -> None:
         loop = asyncio.get_running_loop()
+        errors: list[BaseException | None]
         try:
-            errors = await loop.run_in_executor(self._pool, self._read_span, items)
+            errors = list(await loop.run_in_executor(self._pool, self._read_span, items))
         except BaseException as exc:
-            _fail_all([it.done for it in items], exc)
-            return
-        if len(items) > 1:
-            self.grouped_reads += 1
+            errors = [exc] * len(items)
+        else:
+            if len(items) > 1:
+                self.grouped_reads += 1
         for it, err in zip(items, errors, strict=True):
-            if it.done.done():
-                continue
-            if err is None:
-                it.done.set_result(None)
-            else:
-                it.done.set_exception(err)
+            it.error = err
+            it.waiter.finish_one()
 
     # -- blocking work on the I/O threads -------------------------------------------------
 
@@ -858,21 +902,45 @@ if TYPE_CHECKING:
     _ChunkFn = Callable[[_Blob, int, memoryview, int], None]
 
 
+class _Waiter:
+    """One caller's small requests: one future, set when the last of them has ended.
+
+    A future per blob would cost a future, a callback and a context each (and the garbage
+    collector's time for them all), for hundreds of blobs per call. Cancelling the caller
+    cancels :attr:`done`, which tells the packs that nobody owns what they write for it.
+    """
+
+    __slots__ = ("done", "pending")
+
+    def __init__(self, pending: int) -> None:
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.pending = pending
+        """Requests not ended yet."""
+
+    def finish_one(self) -> None:
+        self.pending -= 1
+        if self.pending == 0 and not self.done.done():
+            self.done.set_result(None)
+
+
 @dataclass(slots=True)
 class _PackItem:
-    """A small blob waiting for its pack: the bytes, and where its placed record goes."""
+    """A small blob waiting for its pack: the bytes, and then its placed record or error."""
 
     src: torch.Tensor
-    done: asyncio.Future[_Blob]
+    waiter: _Waiter
+    blob: _Blob | None = None
+    error: BaseException | None = None
 
 
 @dataclass(slots=True)
 class _ReadItem:
-    """A small read waiting to be grouped with its neighbours."""
+    """A small read waiting to be grouped with its neighbours, and then its error if any."""
 
     blob: _Blob
     out: torch.Tensor
-    done: asyncio.Future[None]
+    waiter: _Waiter
+    error: BaseException | None = None
 
     @property
     def chunk(self) -> _Chunk:
@@ -882,8 +950,8 @@ class _ReadItem:
 async def _all_done(futures: list[asyncio.Future[Any]]) -> None:
     """Wait until every future is done; a cancelled caller cancels those still pending.
 
-    Cancelling a pack's or a group's future only detaches its caller: the I/O goes on with the
-    memory it holds, and a written blob nobody owns is freed (see ``_flush_pack``).
+    Cancelling a :class:`_Waiter` only detaches its caller: packs and read groups go on with
+    the memory they hold, and a written blob nobody owns is freed (see ``_flush_pack``).
     """
     if not futures:
         return
@@ -894,15 +962,6 @@ async def _all_done(futures: list[asyncio.Future[Any]]) -> None:
             fut.cancel()
         await asyncio.wait(futures)
         raise
-
-
-def _fail_all(futures: list[asyncio.Future[Any]], exc: BaseException) -> None:
-    for fut in futures:
-        if not fut.done():
-            fut.set_exception(exc)
-        # Nobody may be waiting any more (the caller was cancelled): mark it seen.
-        if fut.done() and not fut.cancelled():
-            fut.exception()
 
 
 def _free_granted(done: asyncio.Future[int | None], f: _SpillFile, nbytes: int) -> None:
