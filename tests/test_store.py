@@ -615,3 +615,39 @@ def test_a_get_whose_own_read_fails_raises(make_store: MakeStore) -> None:
     with pytest.raises(tierstore.SpillIOError, match=f"tensor #{h.key}"):
         store.get(h)
     assert held[0].reads == 1
+
+
+def test_one_get_plans_a_step_of_prefetch_and_the_window_fills_behind_it(
+    make_store: MakeStore,
+) -> None:
+    # Note: [Resumable prefetch walk]: planning a whole window of small fetches inside one get
+    # held the lock for ~100 ms, and the first get of backward waited behind all of it.
+    from tierstore._core import _PREFETCH_STEP
+
+    n = 3 * _PREFETCH_STEP + 10
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes="unlimited")
+    held: list[HeldReadEngine] = []
+    store._core.wrap_engine(lambda e: held.append(HeldReadEngine(e)) or held[0])
+    held[0].failing = 0
+    ts = [torch.full((1024,), float(i)) for i in range(n)]  # 4 KiB each
+    hs = [store.put(t) for t in ts]
+    _wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs), timeout=30)
+
+    def fetching() -> int:
+        busy = (TensorState.FETCHING, TensorState.FETCHED)
+        return sum(store.state_of(h) in busy for h in hs)
+
+    result: list[torch.Tensor] = []
+    getter = threading.Thread(target=lambda: result.append(store.get(hs[-1])))
+    getter.start()
+    _wait_for(lambda: fetching() > 0)
+    time.sleep(0.05)  # reads are held: nothing more may start until one ends
+    assert fetching() == 1 + _PREFETCH_STEP  # its own read and one step of the walk
+    held[0].read_gate.set()
+    getter.join(10)
+    assert len(result) == 1 and torch.equal(result[0], ts[-1])
+    # No other get comes, yet the walk goes on as fetches end, until the window holds them all.
+    _wait_for(lambda: fetching() == n - 1, timeout=30)
+    for h, t in zip(reversed(hs[:-1]), reversed(ts[:-1]), strict=True):
+        assert torch.equal(store.get(h), t)
+    assert store.stats().prefetch_misses == 1

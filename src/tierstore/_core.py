@@ -18,7 +18,10 @@ Note: [Batched hand-offs]
     (``_spawn``) and handed over with one wake-up however many puts and gets queued it, and the
     loop turns the disk writes and reads of small entries queued meanwhile into one task and
     one ``write_many``/``read_many`` call per batch, which the raw engine packs into few large
-    requests (Note: [Small blobs travel in packs] in ``tiers/_raw.py``).
+    requests (Note: [Small blobs travel in packs] in ``tiers/_raw.py``). Releases queued
+    meanwhile free their spill space in one ``delete_many``, started before the spills so
+    these can reuse it. Fewer tasks also mean fewer objects for the garbage collector, whose
+    full collections walk every object torch and the store keep alive.
 
 Note: [Release from a finalizer]
     Handles are released by ``weakref.finalize`` when they are garbage-collected, which can
@@ -89,6 +92,8 @@ _DISK_RETRY_SECONDS = 1.0
 _POOLED_READ_BYTES = 1 << 20
 # A prefetch scan looks at most this many older entries, so one get never walks a huge table.
 _PREFETCH_SCAN_LIMIT = 4096
+# One scan starts at most this many fetches (Note: [Resumable prefetch walk]).
+_PREFETCH_STEP = 256
 
 
 # Disk I/O of entries up to this size is handed to the engine in batches of up to
@@ -854,6 +859,13 @@ class StoreCore:
             entries (4096 small tensors in one window: seconds of pure bookkeeping), so the
             walk resumes where it stopped, and restarts at the cursor only when the cursor moves
             up (a new backward pass).
+
+            One walk also starts at most ``_PREFETCH_STEP`` fetches: planning a whole 256 MiB
+            window of 64 KiB tensors (4096 fetches) at once held the lock for about 100 ms, and
+            the first ``get`` of backward, whose own read waited behind that, took 150-350 ms.
+            The walk goes on when a fetch ends (``_fetch_many``) and at every ``get``, so the
+            window still fills while the caller waits; 256 fetches are 16 MiB of 64 KiB
+            tensors, and a whole window of big ones.
         """
         if self._cursor is None or self._closed:
             return
@@ -869,12 +881,14 @@ class StoreCore:
             start = min(start, self._walk_next)
         i = bisect.bisect_left(self._live_keys, start) - 1
         scanned = 0
+        started = 0
         while i >= 0 and scanned < _PREFETCH_SCAN_LIMIT:
             e = self._entries[self._live_keys[i]]
             if self._needs_fetch(e):
-                if e.nbytes > budget:
+                if e.nbytes > budget or started == _PREFETCH_STEP:
                     break
                 budget -= e.nbytes
+                started += 1
                 self._start_fetch(e)
             i -= 1
             scanned += 1
@@ -952,6 +966,7 @@ class StoreCore:
                 ready.append((fut, out))
             if any(e.device.type != "cpu" for e in live):
                 st.seconds_to_device += t2 - t1
+            self._plan_prefetch()  # keep the window full while the caller waits
         for fut, out in ready:
             if not fut.done():
                 fut.set_result(out)

@@ -750,26 +750,37 @@ class RawEngine(DiskEngine):
         return item
 
     def _start_reads(self) -> None:
-        """Sort the small reads asked for so far by place, and read neighbours together."""
+        """Read the small reads asked for so far: neighbours on disk with one request each.
+
+        The groups start in the order their first read was asked for, not in disk order: the
+        store asks newest first (LIFO), and the tensor backward wants next must not wait
+        behind a whole window of reads that happen to lie before it in the file.
+        """
         self._reads_soon = False
         if not self._reads:
             return
         items, self._reads = self._reads, []
-        items.sort(key=lambda it: (it.chunk.file.path, it.chunk.offset))
-        group = [items[0]]
-        for it in items[1:]:
-            first, last = group[0].chunk, group[-1].chunk
-            c = it.chunk
+        by_place = sorted(
+            range(len(items)), key=lambda i: (items[i].chunk.file.fd, items[i].chunk.offset)
+        )
+        groups: list[list[int]] = []
+        group = [by_place[0]]
+        for i in by_place[1:]:
+            first, last = items[group[0]].chunk, items[group[-1]].chunk
+            c = items[i].chunk
             if (
                 c.file is first.file
                 and c.offset - (last.offset + _pad(last.length)) <= _READ_GAP
                 and c.offset + _pad(c.length) - first.offset <= self._chunk
             ):
-                group.append(it)
+                group.append(i)
             else:
-                self._track(self._read_group(group))
-                group = [it]
-        self._track(self._read_group(group))
+                groups.append(group)
+                group = [i]
+        groups.append(group)
+        groups.sort(key=min)
+        for g in groups:
+            self._track(self._read_group([items[i] for i in g]))
 
     async def _read_group(self, items: list[_ReadItem]) -> None:
         loop = asyncio.get_running_loop()
