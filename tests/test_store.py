@@ -605,6 +605,33 @@ def test_a_get_waiting_on_a_failed_prefetch_reads_once_itself(make_store: MakeSt
     assert held[0].reads == 2 and store.stats().read_errors == 1
 
 
+def test_a_prefetch_makes_a_future_only_when_a_get_waits_on_it(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    held: list[HeldReadEngine] = []
+    store._core.wrap_engine(lambda e: held.append(HeldReadEngine(e)) or held[0])
+    held[0].failing = 0
+    ts = [torch.randn(MiB // 4) for _ in range(2)]
+    hs = [store.put(t) for t in ts]
+    _wait_for(
+        lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and store.stats().inflight_bytes == 0
+    )
+    store.prefetch(hs)
+    entries = [store._core._entries[h.key] for h in hs]
+    assert [e.state for e in entries] == [TensorState.FETCHING] * 2
+    assert [e.fetch_future for e in entries] == [None, None]
+    result: list[Any] = []
+    getter = threading.Thread(target=lambda: result.append(store.get(hs[1])))
+    getter.start()
+    _wait_for(lambda: entries[1].fetch_future is not None)  # the waiting get made one
+    assert entries[0].fetch_future is None
+    held[0].read_gate.set()
+    getter.join(10)
+    assert len(result) == 1 and torch.equal(result[0], ts[1])
+    _wait_for(lambda: store.state_of(hs[0]) is TensorState.FETCHED)
+    assert torch.equal(store.get(hs[0]), ts[0])  # finished before anyone asked: no future
+    assert held[0].reads == 2 and store.stats().prefetch_hits == 2
+
+
 def test_a_get_whose_own_read_fails_raises(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
     held: list[HeldReadEngine] = []

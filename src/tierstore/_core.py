@@ -134,6 +134,7 @@ class _Entry:
         "key",
         "movable",
         "nbytes",
+        "prefetched",
         "ready",
         "shape",
         "state",
@@ -156,6 +157,9 @@ class _Entry:
         self.fetched: torch.Tensor | None = None
         """A copy brought back to the device ahead of get."""
         self.fetch_future: cf.Future[torch.Tensor] | None = None
+        """What a get waiting for the fetch in flight waits on; made by the first such get."""
+        self.prefetched = False
+        """The fetch in flight was begun by prefetch, not by a get."""
         self.ready: Any = None
         self.error: BaseException | None = None
         self.handle_ref: _HandleRef | None = None
@@ -217,11 +221,6 @@ class StoreCore:
         self._window = 0
         self._inflight = 0
         self._cursor: int | None = None
-        # Fetches begun by prefetch rather than by a get (Note: [A failed prefetch is retried
-        # once]).
-        self._prefetches: weakref.WeakSet[cf.Future[torch.Tensor]] = weakref.WeakSet()
-        # Prefetch futures a get is waiting on.
-        self._awaited: weakref.WeakSet[cf.Future[torch.Tensor]] = weakref.WeakSet()
         # Where the last prefetch walk stopped, for the cursor it walked from: entries between
         # are already fetched, so the next walk resumes there (Note: [Resumable prefetch walk]).
         self._walk_cursor: int | None = None
@@ -780,9 +779,9 @@ class StoreCore:
             st.gets += 1
             return out
         if state is S.FETCHING:
-            assert e.fetch_future is not None
+            if e.fetch_future is None:  # a prefetch nobody waited on so far
+                e.fetch_future = cf.Future()
             st.prefetch_hits += 1
-            self._awaited.add(e.fetch_future)
             return e.fetch_future
         source = e.data if e.data is not None else e.host
         if source is not None and (source.device == e.device or e.device.type == "cpu"):
@@ -797,7 +796,9 @@ class StoreCore:
             st.gets += 1
             return copy_to_device(source, e.device)
         st.prefetch_misses += 1
-        return self._start_fetch(e, prefetch=False)
+        fut: cf.Future[torch.Tensor] = cf.Future()
+        self._start_fetch(e, fut)
+        return fut
 
     def consumed(self, handle: TensorHandle, t: torch.Tensor) -> None:
         """Record that a get which waited on a future has taken ``t``."""
@@ -815,21 +816,17 @@ class StoreCore:
         e.fetch_future = None
         self._set_state(e, e.home())
 
-    def _start_fetch(
-        self,
-        e: _Entry,
-        *,
-        prefetch: bool = True,
-        fut: cf.Future[torch.Tensor] | None = None,
-    ) -> cf.Future[torch.Tensor]:
+    def _start_fetch(self, e: _Entry, fut: cf.Future[torch.Tensor] | None = None) -> None:
+        """Begin bringing ``e`` back: for the get waiting on ``fut``, or as a prefetch (None).
+
+        A prefetch makes no future: most are consumed after they finish, and a future (with
+        its condition and lock) per prefetched tensor was a tenth of the Python a small
+        put+get cost. The first get that finds the fetch still running makes one.
+        """
         self._set_state(e, S.FETCHING)
-        if fut is None:
-            fut = cf.Future()
         e.fetch_future = fut
-        if prefetch:
-            self._prefetches.add(fut)
+        e.prefetched = fut is None
         self._spawn(self._fetch_many, [e])
-        return fut
 
     def prefetch_now(self, handles: Iterable[TensorHandle]) -> None:
         """Start bringing these entries back, newest first, within the prefetch window."""
@@ -950,7 +947,6 @@ class StoreCore:
                 st.seconds_from_disk += t1 - t0
             for e, out in results:
                 fut = e.fetch_future
-                assert fut is not None
                 if isinstance(out, Exception):
                     self._fetch_failed(e, fut, out)
                     continue
@@ -958,12 +954,14 @@ class StoreCore:
                     st.bytes_to_device += e.nbytes
                 if e.state is S.RELEASED:
                     self._free_copies(e)
-                    fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
+                    if fut is not None:
+                        fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
                     self._plan_prefetch()
                     continue
                 self._set_fetched(e, out)
                 self._set_state(e, S.FETCHED)
-                ready.append((fut, out))
+                if fut is not None:
+                    ready.append((fut, out))
             if any(e.device.type != "cpu" for e in live):
                 st.seconds_to_device += t2 - t1
             self._plan_prefetch()  # keep the window full while the caller waits
@@ -979,7 +977,9 @@ class StoreCore:
             return torch.empty(e.nbytes, dtype=torch.uint8)
         return host_buffer(e.nbytes, pinned=True)
 
-    def _fetch_failed(self, e: _Entry, fut: cf.Future[torch.Tensor], exc: Exception) -> None:
+    def _fetch_failed(
+        self, e: _Entry, fut: cf.Future[torch.Tensor] | None, exc: Exception
+    ) -> None:
         """Record a failed fetch: FAILED if the copy is corrupt, else back to its home tier.
 
         Note: [A failed prefetch is retried once]
@@ -992,7 +992,8 @@ class StoreCore:
         self._stats.read_errors += 1
         if e.state is S.RELEASED:
             self._free_copies(e)
-            fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
+            if fut is not None:
+                fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
             return
         if isinstance(exc, CorruptTensorError):
             err: BaseException = CorruptTensorError(
@@ -1004,14 +1005,13 @@ class StoreCore:
             log.error("tierstore: %s", err)
         else:
             self._set_state(e, e.home())
-            if fut in self._prefetches and fut in self._awaited:
-                self._prefetches.discard(fut)
-                self._start_fetch(e, prefetch=False, fut=fut)
+            if e.prefetched and fut is not None:
+                self._start_fetch(e, fut)
                 return
             err = SpillIOError(f"reading {e.describe()} back from disk failed: {exc}")
             err.__cause__ = exc
         e.fetch_future = None
-        if not fut.done():
+        if fut is not None and not fut.done():
             fut.set_exception(err)
 
     def note_get_wait(self, seconds: float) -> None:
