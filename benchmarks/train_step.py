@@ -160,10 +160,12 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
     wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
     if mode == "torch_ckpt":
+
         def wrap(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = torch_checkpoint(block, x, use_reentrant=False)
             return out
     elif mode == "ts_ckpt":
+
         def wrap(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return tierstore.checkpoint(block, x, store=store)
 
@@ -300,7 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for mode in modes:
                 cmd = [
-                    sys.executable, __file__, *forwarded, "--worker", mode, "--disk-dir", disk_dir
+                    sys.executable,
+                    __file__,
+                    *forwarded,
+                    "--worker",
+                    mode,
+                    "--disk-dir",
+                    disk_dir,
                 ]
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
                 if proc.returncode != 0:

@@ -30,8 +30,13 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
         use_cache=False,
     )
     model = LlamaForCausalLM(config)
@@ -46,14 +51,22 @@ def main() -> None:
     rows = [torch.randint(0, 256, (64,), generator=g) for _ in range(16)]
     dataset = [{"input_ids": r, "labels": r} for r in rows]
     training_args = TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=4,
-        learning_rate=1e-3, report_to=[], save_strategy="no", logging_steps=1, use_cpu=True,
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
         disable_tqdm=True,
     )
     Trainer(model=model, args=training_args, train_dataset=dataset).train()
     stats = store.stats()
-    print(f"{stats.puts} layer inputs stored, {stats.bytes_to_disk} bytes written to disk, "
-          f"{stats.live_entries} still held")
+    print(
+        f"{stats.puts} layer inputs stored, {stats.bytes_to_disk} bytes written to disk, "
+        f"{stats.live_entries} still held"
+    )
     store.close()  # logs the one-line summary
 
 

@@ -25,8 +25,13 @@ import tierstore
 def build(dim: int, layers: int) -> nn.Module:
     torch.manual_seed(0)
     blocks = [
-        nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(0.1),
-                      nn.Linear(4 * dim, dim))
+        nn.Sequential(
+            nn.LayerNorm(dim),
+            nn.Linear(dim, 4 * dim),
+            nn.GELU(),
+            nn.Dropout(0.1),
+            nn.Linear(4 * dim, dim),
+        )
         for _ in range(layers)
     ]
     return nn.ModuleList(blocks)
@@ -66,8 +71,10 @@ def main() -> None:
             opt.step()
             if step % 10 == 0:
                 s = store.stats()
-                print(f"step {step}: loss {loss.item():.4f}; {s.puts} tensors stored so far, "
-                      f"{s.disk.total_bytes / 2**20:.1f} MiB spilled to disk")
+                print(
+                    f"step {step}: loss {loss.item():.4f}; {s.puts} tensors stored so far, "
+                    f"{s.disk.total_bytes / 2**20:.1f} MiB spilled to disk"
+                )
     # Closing the store logged its one-line summary to the "tierstore" logger at INFO.
 
 

@@ -94,7 +94,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument(
-        "--modes", default="none,hooks,checkpoint",
+        "--modes",
+        default="none,hooks,checkpoint",
         help="comma-separated: none, hooks (offload_activations), checkpoint",
     )
     parser.add_argument("--disk-dir", help="parent of the spill directories (default: config)")

@@ -23,3 +23,8 @@ def test_ruff_is_clean() -> None:
 def test_mypy_strict_is_clean() -> None:
     proc = _run("mypy")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ruff_format_leaves_the_code_as_it_is() -> None:
+    proc = _run("ruff", "format", "--check", "src", "tests", "benchmarks", "examples")
+    assert proc.returncode == 0, proc.stdout + proc.stderr

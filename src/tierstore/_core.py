@@ -977,9 +977,7 @@ class StoreCore:
             return torch.empty(e.nbytes, dtype=torch.uint8)
         return host_buffer(e.nbytes, pinned=True)
 
-    def _fetch_failed(
-        self, e: _Entry, fut: cf.Future[torch.Tensor] | None, exc: Exception
-    ) -> None:
+    def _fetch_failed(self, e: _Entry, fut: cf.Future[torch.Tensor] | None, exc: Exception) -> None:
         """Record a failed fetch: FAILED if the copy is corrupt, else back to its home tier.
 
         Note: [A failed prefetch is retried once]

@@ -370,6 +370,9 @@ def _plot(results: list[Row], path: Path, machine: dict[str, object]) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     engines = list(dict.fromkeys(str(r["engine"]) for r in results))
+    # More engines than the default cycle's ten colours: two would share one.
+    palette = plt.get_cmap("tab20")  # ListedColormap: an int picks its n-th colour
+    colour = {name: palette((2 * i) % 20 + (2 * i) // 20 % 2) for i, name in enumerate(engines)}
     for ax, op in zip(axes, ("write", "read"), strict=True):
         for name in engines:
             rows = sorted(
@@ -381,8 +384,8 @@ def _plot(results: list[Row], path: Path, machine: dict[str, object]) -> None:
             lo = [float(r["gbps_min"]) for r in rows]
             hi = [float(r["gbps_max"]) for r in rows]
             style = "--" if name.startswith("raw-limit") else "-"
-            (line,) = ax.plot(xs, med, style, marker="o", label=name)
-            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+            ax.plot(xs, med, style, marker="o", label=name, color=colour[name])
+            ax.fill_between(xs, lo, hi, color=colour[name], alpha=0.15)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tensor size (bytes)")
         ax.set_title(f"{op} (median, band min-max)")
