@@ -956,7 +956,6 @@ class StoreCore:
                     self._free_copies(e)
                     if fut is not None:
                         fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
-                    self._plan_prefetch()
                     continue
                 self._set_fetched(e, out)
                 self._set_state(e, S.FETCHED)

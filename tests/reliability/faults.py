@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from tierstore import TieredStore
 
-__all__ = ["FaultyEngine", "backdoor_files", "install", "short_io", "wait_for"]
+__all__ = ["FaultyEngine", "backdoor_files", "install", "settled", "short_io", "wait_for"]
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
@@ -38,6 +38,11 @@ def wait_for(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condi
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout}s")
         time.sleep(0.005)
+
+
+def settled(store: TieredStore) -> bool:
+    """Nothing is moving between tiers."""
+    return store.stats().inflight_bytes == 0
 
 
 class _Fault:

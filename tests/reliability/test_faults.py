@@ -28,7 +28,7 @@ from tierstore import (
     TierFullError,
 )
 
-from .faults import backdoor_files, install, short_io, wait_for
+from .faults import backdoor_files, install, settled, short_io, wait_for
 
 MiB = 1 << 20
 MakeStore = Callable[..., TieredStore]
@@ -39,10 +39,6 @@ FORMATS = ["raw", "zarr"]
 def _pattern(n: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, generator=g)
-
-
-def _settled(store: TieredStore) -> bool:
-    return store.stats().inflight_bytes == 0
 
 
 @pytest.fixture
@@ -70,7 +66,7 @@ def test_failed_write_keeps_the_tensor_in_host_memory(make_store: MakeStore, cod
     faulty.fail_writes(code)
     ts = [_pattern(MiB // 8, i) for i in range(3)]  # 512 KiB each: two fit in the host tier
     hs = [store.put(t) for t in ts]
-    wait_for(lambda: faulty.failed_writes == 1 and _settled(store), what="a failed write")
+    wait_for(lambda: faulty.failed_writes == 1 and settled(store), what="a failed write")
     st = store.stats()
     assert st.write_errors == 1 and not st.disk_available
     assert st.disk.entries == 0 and st.disk.bytes == 0
@@ -96,7 +92,7 @@ def test_enospc_makes_disk_unavailable_until_space_returns(
     hs = [store.put(_pattern(MiB // 8, i)) for i in range(2)]
     free_space["free"] = None  # the check before the spill sees room; the write then fails
     hs.append(store.put(_pattern(MiB // 8, 2)))
-    wait_for(lambda: faulty.failed_writes >= 1 and _settled(store), what="ENOSPC")
+    wait_for(lambda: faulty.failed_writes >= 1 and settled(store), what="ENOSPC")
     free_space["free"] = 0
     attempts = faulty.writes
     # Well past the retry pause, the disk is still full: no new write is attempted, the tier
@@ -113,7 +109,7 @@ def test_enospc_makes_disk_unavailable_until_space_returns(
     free_space["free"] = None
     wait_for(lambda: store.stats().disk_available, what="disk available again")
     hs.append(store.put(_pattern(MiB // 8, 3)))
-    wait_for(lambda: _settled(store) and store.stats().host.bytes <= MiB, what="spill resumed")
+    wait_for(lambda: settled(store) and store.stats().host.bytes <= MiB, what="spill resumed")
     assert store.stats().disk.entries >= 2
     store._core.audit()
     for i, h in enumerate(hs):
@@ -127,7 +123,7 @@ def test_free_space_is_checked_before_each_spill(
     faulty = install(store)
     free_space["free"] = MiB // 4  # less than one tensor: another process filled the disk
     hs = [store.put(_pattern(MiB // 8, i)) for i in range(3)]
-    wait_for(lambda: _settled(store))
+    wait_for(lambda: settled(store))
     assert faulty.writes == 0, "spilled without checking the free space first"
     st = store.stats()
     assert st.kept_no_room >= 1 and not st.disk_available and st.write_errors == 0
@@ -136,7 +132,7 @@ def test_free_space_is_checked_before_each_spill(
     free_space["free"] = None
     wait_for(lambda: store.stats().disk_available)
     hs.append(store.put(_pattern(MiB // 8, 3)))
-    wait_for(lambda: _settled(store) and store.tier_of(hs[0]) is Tier.DISK)
+    wait_for(lambda: settled(store) and store.tier_of(hs[0]) is Tier.DISK)
     assert faulty.writes >= 2
     for i, h in enumerate(hs):
         assert torch.equal(store.get(h), _pattern(MiB // 8, i))
@@ -149,7 +145,7 @@ def test_transient_eio_pauses_then_retries(
     faulty = install(store)
     faulty.fail_writes(errno.EIO, times=1)
     h1 = store.put(_pattern(MiB // 4, 1))
-    wait_for(lambda: faulty.failed_writes == 1 and _settled(store))
+    wait_for(lambda: faulty.failed_writes == 1 and settled(store))
     assert store.tier_of(h1) is Tier.HOST
     # EIO is not "full": after the pause the next put spills both.
     wait_for(lambda: store.stats().disk_available)
@@ -165,7 +161,7 @@ def test_no_tier_with_room_raises_tier_full_and_drops_nothing(
 ) -> None:
     store = make_store(device_bytes=0, host_bytes=MiB, disk_bytes=2 * MiB)
     hs = [store.put(_pattern(MiB // 4, i)) for i in range(3)]  # 3 MiB: 1 host + 2 disk
-    wait_for(lambda: _settled(store))
+    wait_for(lambda: settled(store))
     assert store.stats().disk.bytes >= 2 * MiB
     with pytest.raises(TierFullError, match="no tier has room") as info:
         store.put(_pattern(MiB // 4, 9))
@@ -188,7 +184,7 @@ def test_eio_on_read_names_the_tensor_and_keeps_it(make_store: MakeStore) -> Non
     faulty = install(store)
     t = _pattern(3 * MiB // 16, 7)
     h = store.put(t.view(3, -1))
-    wait_for(lambda: store.tier_of(h) is Tier.DISK and _settled(store))
+    wait_for(lambda: store.tier_of(h) is Tier.DISK and settled(store))
     faulty.fail_reads(errno.EIO, times=1)
     with pytest.raises(SpillIOError) as info:
         store.get(h)
@@ -205,10 +201,10 @@ def test_eio_on_prefetch_surfaces_at_get(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=8 * MiB)
     faulty = install(store)
     hs = [store.put(_pattern(MiB // 4, i)) for i in range(4)]
-    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and _settled(store))
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and settled(store))
     faulty.fail_reads(errno.EIO)
     store.prefetch(hs)
-    wait_for(lambda: faulty.failed_reads >= 4 and _settled(store))
+    wait_for(lambda: faulty.failed_reads >= 4 and settled(store))
     for h in hs:
         with pytest.raises(SpillIOError, match=f"tensor #{h.key}"):
             store.get(h)
@@ -229,7 +225,7 @@ def test_short_writes_and_reads_are_retried(make_store: MakeStore, nbytes: int) 
     )
     with short_io(4096) as counts:
         h = store.put(t)
-        wait_for(lambda: store.tier_of(h) is Tier.DISK and _settled(store))
+        wait_for(lambda: store.tier_of(h) is Tier.DISK and settled(store))
         out = store.get(h)
     assert torch.equal(out, t)
     if nbytes > 4096:
@@ -242,7 +238,7 @@ def test_short_writes_and_reads_are_retried(make_store: MakeStore, nbytes: int) 
 def _spill_one(store: TieredStore, seed: int) -> tuple[Any, torch.Tensor]:
     t = _pattern(MiB // 4 + 5, seed)
     h = store.put(t)
-    wait_for(lambda: store.tier_of(h) is Tier.DISK and _settled(store))
+    wait_for(lambda: store.tier_of(h) is Tier.DISK and settled(store))
     return h, t
 
 
@@ -314,7 +310,7 @@ def test_released_before_its_read_starts_is_never_read(make_store: MakeStore) ->
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=8 * MiB)
     faulty = install(store)
     hs = [store.put(_pattern(MiB // 4, i)) for i in range(3)]
-    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and _settled(store))
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and settled(store))
     go = _block_loop(store)
     store.prefetch(hs)
     assert all(store.state_of(h) is TensorState.FETCHING for h in hs)

@@ -18,7 +18,7 @@ import torch
 import tierstore._core as core_mod
 from tierstore import Tier, TieredStore, TierFullError
 
-from .faults import install, wait_for
+from .faults import install, settled, wait_for
 
 MiB = 1 << 20
 
@@ -81,10 +81,6 @@ def _fill(path: Path) -> Path:
     return filler
 
 
-def _settled(store: TieredStore) -> bool:
-    return store.stats().inflight_bytes == 0
-
-
 def _t(i: int) -> torch.Tensor:
     return torch.full((MiB // 4,), float(i))  # 1 MiB
 
@@ -106,7 +102,7 @@ def test_filling_a_real_filesystem_loses_nothing(small_fs: Path) -> None:
             for i in range(200):  # 200 MiB into 2 MiB of host and ~24 MiB of disk
                 t = _t(i)
                 kept.append((store.put(t), t))
-                wait_for(lambda: _settled(store))
+                wait_for(lambda: settled(store))
         assert 8 <= len(kept) < 60, len(kept)
         st = store.stats()
         assert st.disk.bytes <= st.disk.capacity <= 32 * MiB
@@ -120,7 +116,7 @@ def test_filling_a_real_filesystem_loses_nothing(small_fs: Path) -> None:
         for i in range(4):
             t = _t(1000 + i)
             kept.append((store.put(t), t))
-        wait_for(lambda: _settled(store))
+        wait_for(lambda: settled(store))
         for h, t in kept:
             assert torch.equal(store.get(h), t)  # type: ignore[arg-type]
         store._core.audit()
@@ -155,7 +151,7 @@ def test_real_enospc_mid_run_then_space_returns(
         # Another process fills the disk between the store's free-space check and its write.
         faulty.before_write = lambda key: filler.append(_fill(small_fs)) if not filler else None
         hs = [store.put(_t(i)) for i in range(2)]
-        wait_for(lambda: faulty.failed_writes + len(real_errors) >= 1 and _settled(store))
+        wait_for(lambda: faulty.failed_writes + len(real_errors) >= 1 and settled(store))
         assert real_errors and all(
             isinstance(e, OSError) and e.errno == errno.ENOSPC for e in real_errors
         ), real_errors
@@ -168,7 +164,7 @@ def test_real_enospc_mid_run_then_space_returns(
         filler[0].unlink()
         wait_for(lambda: store.stats().disk_available, what="disk tier back")
         hs.append(store.put(_t(2)))
-        wait_for(lambda: _settled(store) and store.tier_of(hs[0]) is Tier.DISK)
+        wait_for(lambda: settled(store) and store.tier_of(hs[0]) is Tier.DISK)
         for i, h in enumerate(hs):
             assert torch.equal(store.get(h), _t(i))
         store._core.audit()

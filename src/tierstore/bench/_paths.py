@@ -21,7 +21,7 @@ import torch
 from tierstore.bench._system import PageCache, cached_bytes
 
 if TYPE_CHECKING:
-    from tierstore import TieredStore
+    from tierstore import StoreStats, TieredStore
 
 __all__ = ["PATHS", "Timing"]
 
@@ -62,26 +62,25 @@ def _check(tensors: list[torch.Tensor], back: list[torch.Tensor], what: str) -> 
             raise AssertionError(f"{what}: tensor {i} came back different")
 
 
-def _settle(store: TieredStore, total: int) -> None:
-    # The store has no "wait until everything is on disk" call; poll its stats snapshot. The
+def _poll(store: TieredStore, until: Callable[[StoreStats], bool]) -> None:
+    # The store has no "wait until the disk is done" call; poll its stats snapshot. The
     # interval (1 ms) is far below one measurement (>= tens of milliseconds) and leaves the
     # store's loop thread the CPU (two cores here).
-    while True:
-        st = store.stats()
-        if st.inflight_bytes == 0 and st.disk.bytes >= total:
-            return
+    while not until(store.stats()):
         time.sleep(0.001)
 
 
-PathFn = Callable[["Context", list[torch.Tensor]], "Timing"]
+def _settle(store: TieredStore, total: int) -> None:
+    """Wait until ``total`` bytes are on disk and nothing is moving."""
+    _poll(store, lambda st: st.inflight_bytes == 0 and st.disk.bytes >= total)
 
 
 def _drained(store: TieredStore) -> None:
-    while True:
-        st = store.stats()
-        if st.inflight_bytes == 0 and st.disk.bytes == 0:
-            return
-        time.sleep(0.001)
+    """Wait until the disk tier holds nothing and nothing is moving."""
+    _poll(store, lambda st: st.inflight_bytes == 0 and st.disk.bytes == 0)
+
+
+PathFn = Callable[["Context", list[torch.Tensor]], "Timing"]
 
 
 def _store_round(store: TieredStore, tensors: list[torch.Tensor], what: str) -> Timing:

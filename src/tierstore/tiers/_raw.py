@@ -432,15 +432,9 @@ class RawEngine(DiskEngine):
             raise KeyError(f"key {key} is already stored; delete it first")
         _check_bytes(src, "src")
         if self._packable(src.numel()):
-            # A cancelled caller cancels the waiter; the pack still holds ``src`` and frees
-            # the blob's piece once written (see _flush_pack).
-            waiter = _Waiter(1)
-            item = self._enqueue_pack(src, waiter)
-            await waiter.done
-            if item.error is not None:
-                raise item.error
-            assert item.blob is not None
-            self._blobs[key] = item.blob
+            (outcome,) = await self.write_many([WriteRequest(key, src)])  # joins a pack
+            if outcome is not None:
+                raise outcome
             return
         blob = await self._place(src.numel())
         try:
@@ -467,13 +461,9 @@ class RawEngine(DiskEngine):
                 f"key {key}: {blob.size} bytes were spilled but {out.numel()} were asked for"
             )
         if self._groupable(blob):
-            # A cancelled caller cancels the waiter; the group still holds ``out``, so the
-            # copy into it lands in memory that is still alive.
-            waiter = _Waiter(1)
-            item = self._enqueue_read(blob, out, waiter)
-            await waiter.done
-            if item.error is not None:
-                raise item.error
+            (error,) = await self.read_many([(key, out)])  # read with its neighbours
+            if error is not None:
+                raise error
             return
         await self._run(self._read_chunk, blob, _byte_view(out), out.data_ptr())
 
