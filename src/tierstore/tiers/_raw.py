@@ -267,6 +267,34 @@ class _Blob:
     crcs: list[int]
 
 
+class _Packed:
+    """Where a small blob lives: its own page-aligned piece of a pack's extent, and its CRC.
+
+    One object where a :class:`_Blob` takes six (the record, its lists, chunk and extent): a
+    spill of thousands of small tensors keeps one alive per tensor, and the garbage
+    collector's full collections walk every one of them (Note: [Small blobs travel in packs]).
+    """
+
+    __slots__ = ("crc", "file", "offset", "size")
+
+    def __init__(self, file: _SpillFile, offset: int, size: int) -> None:
+        self.file = file
+        self.offset = offset
+        """Page-aligned offset in ``file``; the blob occupies ``_pad(size)`` bytes there."""
+        self.size = size
+        self.crc = 0
+
+    @property
+    def chunks(self) -> list[_Chunk]:
+        """The one chunk, as a :class:`_Blob` describes its chunks (made on demand)."""
+        return [_Chunk(self.file, self.offset, 0, self.size)]
+
+    @property
+    def extents(self) -> list[tuple[_SpillFile, int, int]]:
+        """The one extent, as a :class:`_Blob` describes its extents (made on demand)."""
+        return [(self.file, self.offset, _pad(self.size))]
+
+
 class _BounceBuffer:
     """A page-aligned buffer of one chunk, reused for every unaligned O_DIRECT transfer."""
 
@@ -377,7 +405,7 @@ class RawEngine(DiskEngine):
             raise
         self._chunk = config.io_chunk_bytes
         self._checksum = config.checksum == "crc32c"
-        self._blobs: dict[int, _Blob] = {}
+        self._blobs: dict[int, _Blob | _Packed] = {}
         self._next_dir = 0
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io")
         self._bounce: queue.SimpleQueue[_BounceBuffer] = queue.SimpleQueue()
@@ -460,7 +488,7 @@ class RawEngine(DiskEngine):
             raise CorruptTensorError(
                 f"key {key}: {blob.size} bytes were spilled but {out.numel()} were asked for"
             )
-        if self._groupable(blob):
+        if isinstance(blob, _Packed):
             (error,) = await self.read_many([(key, out)])  # read with its neighbours
             if error is not None:
                 raise error
@@ -516,12 +544,7 @@ class RawEngine(DiskEngine):
         slots: list[_ReadItem | asyncio.Future[None]] = []
         for key, out in requests:
             blob = self._blobs.get(key)
-            if (
-                blob is not None
-                and self._groupable(blob)
-                and _is_bytes(out)
-                and out.numel() == blob.size
-            ):
+            if isinstance(blob, _Packed) and _is_bytes(out) and out.numel() == blob.size:
                 waiter.pending += 1
                 slots.append(self._enqueue_read(blob, out, waiter))
             else:  # big blobs, and requests read() refuses with the right error
@@ -621,7 +644,10 @@ class RawEngine(DiskEngine):
             fut.add_done_callback(lambda done: _free_granted(done, f, need))
             raise
 
-    def _free(self, blob: _Blob) -> None:
+    def _free(self, blob: _Blob | _Packed) -> None:
+        if isinstance(blob, _Packed):
+            blob.file.extents.free(blob.offset, _pad(blob.size))
+            return
         for f, offset, nbytes in blob.extents:
             f.extents.free(offset, nbytes)
         blob.extents.clear()
@@ -654,9 +680,6 @@ class RawEngine(DiskEngine):
 
     def _packable(self, nbytes: int) -> bool:
         return 0 < nbytes <= self._pack_max
-
-    def _groupable(self, blob: _Blob) -> bool:
-        return len(blob.chunks) == 1 and blob.size <= self._pack_max
 
     def _enqueue_pack(self, src: torch.Tensor, waiter: _Waiter) -> _PackItem:
         item = _PackItem(src, waiter)
@@ -691,7 +714,7 @@ class RawEngine(DiskEngine):
         task.add_done_callback(self._batch_tasks.discard)
 
     async def _flush_pack(self, items: list[_PackItem]) -> None:
-        blobs: list[_Blob] = []
+        blobs: list[_Packed] = []
         try:
             blobs = await self._place_pack(items)
             loop = asyncio.get_running_loop()
@@ -715,7 +738,7 @@ class RawEngine(DiskEngine):
             if self._pack and not self._pack_soon:
                 self._pack_due()
 
-    async def _place_pack(self, items: list[_PackItem]) -> list[_Blob]:
+    async def _place_pack(self, items: list[_PackItem]) -> list[_Packed]:
         """One extent for the whole pack, in the next directory; each blob owns a piece of it."""
         f = self._files[self._next_dir]
         self._next_dir = (self._next_dir + 1) % len(self._files)
@@ -727,11 +750,11 @@ class RawEngine(DiskEngine):
         blobs = []
         for it in items:
             n = it.src.numel()
-            blobs.append(_Blob(n, [(f, offset, _pad(n))], [_Chunk(f, offset, 0, n)], [0]))
+            blobs.append(_Packed(f, offset, n))
             offset += _pad(n)
         return blobs
 
-    def _enqueue_read(self, blob: _Blob, out: torch.Tensor, waiter: _Waiter) -> _ReadItem:
+    def _enqueue_read(self, blob: _Packed, out: torch.Tensor, waiter: _Waiter) -> _ReadItem:
         item = _ReadItem(blob, out, waiter)
         self._reads.append(item)
         if not self._reads_soon:
@@ -751,17 +774,17 @@ class RawEngine(DiskEngine):
             return
         items, self._reads = self._reads, []
         by_place = sorted(
-            range(len(items)), key=lambda i: (items[i].chunk.file.fd, items[i].chunk.offset)
+            range(len(items)), key=lambda i: (items[i].blob.file.fd, items[i].blob.offset)
         )
         groups: list[list[int]] = []
         group = [by_place[0]]
         for i in by_place[1:]:
-            first, last = items[group[0]].chunk, items[group[-1]].chunk
-            c = items[i].chunk
+            first, last = items[group[0]].blob, items[group[-1]].blob
+            b = items[i].blob
             if (
-                c.file is first.file
-                and c.offset - (last.offset + _pad(last.length)) <= _READ_GAP
-                and c.offset + _pad(c.length) - first.offset <= self._chunk
+                b.file is first.file
+                and b.offset - (last.offset + _pad(last.size)) <= _READ_GAP
+                and b.offset + _pad(b.size) - first.offset <= self._chunk
             ):
                 group.append(i)
             else:
@@ -788,19 +811,18 @@ class RawEngine(DiskEngine):
 
     # -- blocking work on the I/O threads -------------------------------------------------
 
-    def _write_pack(self, items: list[_PackItem], blobs: list[_Blob]) -> None:
-        first = blobs[0].chunks[0]
+    def _write_pack(self, items: list[_PackItem], blobs: list[_Packed]) -> None:
+        first = blobs[0]
         buf = self._bounce.get()
         try:
             for it, b in zip(items, blobs, strict=True):
-                c = b.chunks[0]
-                at = buf.address + c.offset - first.offset
-                memmove(at, it.src.data_ptr(), c.length)
-                memset(at + c.length, 0, _pad(c.length) - c.length)
+                at = buf.address + b.offset - first.offset
+                memmove(at, it.src.data_ptr(), b.size)
+                memset(at + b.size, 0, _pad(b.size) - b.size)
                 if self._checksum:
-                    b.crcs[0] = crc32c(at, c.length)
-            last = blobs[-1].chunks[0]
-            total = last.offset + _pad(last.length) - first.offset
+                    b.crc = crc32c(at, b.size)
+            last = blobs[-1]
+            total = last.offset + _pad(last.size) - first.offset
             _pwrite_all(first.file.fd, buf.view[:total], first.offset)
             if not first.file.direct:
                 _drop_cached(first.file.fd, first.offset, total, dirty=True)
@@ -809,8 +831,8 @@ class RawEngine(DiskEngine):
 
     def _read_span(self, items: list[_ReadItem]) -> list[CorruptTensorError | None]:
         """Read the span covering ``items`` once; check and copy out each blob on its own."""
-        first = items[0].chunk
-        end = max(it.chunk.offset + _pad(it.chunk.length) for it in items)
+        first = items[0].blob
+        end = max(it.blob.offset + _pad(it.blob.size) for it in items)
         buf = self._bounce.get()
         try:
             span = end - first.offset
@@ -819,13 +841,12 @@ class RawEngine(DiskEngine):
                 _drop_cached(first.file.fd, first.offset, span, dirty=False)
             errors: list[CorruptTensorError | None] = []
             for it in items:
-                at = buf.address + it.chunk.offset - first.offset
-                try:
-                    self._verify(it.blob, 0, at)
-                except CorruptTensorError as e:
-                    errors.append(e)
+                b = it.blob
+                at = buf.address + b.offset - first.offset
+                if self._checksum and (got := crc32c(at, b.size)) != b.crc:
+                    errors.append(_crc_mismatch(b.chunks[0], 0, got, b.crc))
                     continue
-                memmove(it.out.data_ptr(), at, it.chunk.length)
+                memmove(it.out.data_ptr(), at, b.size)
                 errors.append(None)
             return errors
         finally:
@@ -874,13 +895,9 @@ class RawEngine(DiskEngine):
     def _verify(self, blob: _Blob, i: int, address: int) -> None:
         if not self._checksum:
             return
-        c = blob.chunks[i]
-        got = crc32c(address, c.length)
+        got = crc32c(address, blob.chunks[i].length)
         if got != blob.crcs[i]:
-            raise CorruptTensorError(
-                f"spill file {str(c.file.path)!r}: chunk {i} ({c.length} bytes at offset "
-                f"{c.offset}) has CRC32C {got:#010x}, {blob.crcs[i]:#010x} was written"
-            )
+            raise _crc_mismatch(blob.chunks[i], i, got, blob.crcs[i])
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -930,7 +947,7 @@ class _PackItem:
 
     src: torch.Tensor
     waiter: _Waiter
-    blob: _Blob | None = None
+    blob: _Packed | None = None
     error: BaseException | None = None
 
 
@@ -938,14 +955,17 @@ class _PackItem:
 class _ReadItem:
     """A small read waiting to be grouped with its neighbours, and then its error if any."""
 
-    blob: _Blob
+    blob: _Packed
     out: torch.Tensor
     waiter: _Waiter
     error: BaseException | None = None
 
-    @property
-    def chunk(self) -> _Chunk:
-        return self.blob.chunks[0]
+
+def _crc_mismatch(c: _Chunk, i: int, got: int, written: int) -> CorruptTensorError:
+    return CorruptTensorError(
+        f"spill file {str(c.file.path)!r}: chunk {i} ({c.length} bytes at offset "
+        f"{c.offset}) has CRC32C {got:#010x}, {written:#010x} was written"
+    )
 
 
 async def _all_done(futures: list[asyncio.Future[Any]]) -> None:
