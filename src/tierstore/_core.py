@@ -46,7 +46,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -83,6 +83,7 @@ __all__ = ["StoreCore"]
 
 log = logging.getLogger("tierstore")
 
+_T = TypeVar("_T")
 S = TensorState
 _WINDOW = frozenset({S.FETCHING, S.FETCHED})
 # How long a failed disk stays unavailable before the store checks for space again.
@@ -230,15 +231,22 @@ class StoreCore:
         self._semaphore_full = False
         self._put_waiters: list[cf.Future[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        # Work queued for the loop thread (Note: [Batched hand-offs]).
+        # Work queued for the loop thread (Note: [Batched hand-offs]): spills, fetches and
+        # deletes each in a queue of their own, so queuing one makes no object; anything else
+        # as a (coroutine function, arguments) pair.
         self._spawns: collections.deque[tuple[Callable[..., Coroutine[Any, Any, None]], Any]]
         self._spawns = collections.deque()
+        self._spill_queue: collections.deque[_Entry] = collections.deque()
+        self._fetch_queue: collections.deque[_Entry] = collections.deque()
+        self._delete_queue: collections.deque[tuple[int, int]] = collections.deque()
         self._spawn_soon = False
         # The last reading of the filesystems' free space, and spills planned since.
         self._fs_free = 0
         self._fs_read_at: float | None = None
         self._fs_planned = 0
         self._dropped: collections.deque[int] = collections.deque()
+        # One bound method for every handle's weakref, rather than a new one kept per handle.
+        self._handle_dead = self._on_handle_dead
         self._drain_scheduled = False
         self.token = next(_store_tokens)
         self._stats = _Counters()
@@ -406,13 +414,17 @@ class StoreCore:
     # ------------------------------------------------------------------ scheduling helpers
 
     def _spawn(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
-        """Run ``fn(*args)`` as a task on the store's loop, from any thread (under the lock).
-
-        The call is queued; one wake-up of the loop starts everything queued meanwhile
-        (Note: [Batched hand-offs]). The flag is tested after the append, so whichever side
-        runs second sees the other's work.
-        """
+        """Run ``fn(*args)`` as a task on the store's loop, from any thread (under the lock)."""
         self._spawns.append((fn, args))
+        self._wake_loop()
+
+    def _wake_loop(self) -> None:
+        """Have the loop start the queued work soon (any thread, under the lock).
+
+        One wake-up starts everything queued meanwhile (Note: [Batched hand-offs]). The flag
+        is tested after the work was queued and cleared before the queues are read, so
+        whichever side runs second sees the other's work.
+        """
         if self._spawn_soon:
             return
         self._spawn_soon = True
@@ -424,25 +436,20 @@ class StoreCore:
     def _run_spawns(self) -> None:
         """Start the queued work (on the loop): small disk writes and reads go in batches."""
         self._spawn_soon = False
-        spills: list[_Entry] = []
-        fetches: list[_Entry] = []
-        deletes: list[tuple[int, int]] = []
         while self._spawns:
             fn, args = self._spawns.popleft()
-            if fn == self._spill_many and args[0][0].nbytes <= _BATCH_BYTES:
-                spills.extend(args[0])
-            elif fn == self._fetch_many and args[0][0].disk and args[0][0].nbytes <= _BATCH_BYTES:
-                fetches.extend(args[0])
-            elif fn == self._delete_many:
-                deletes.extend(args[0])
-            else:
-                self._start_task(fn, args)
+            self._start_task(fn, args)
+        deletes = _drain(self._delete_queue)
         if deletes:
             # First: space freed now is space the spills below can reuse.
             self._start_task(self._delete_many, (deletes,))
-        for batch in _batches(spills):
+        for batch in _batches(_drain(self._spill_queue)):
             self._start_task(self._spill_many, (batch,))
-        for batch in _batches(fetches):
+        fetches = _drain(self._fetch_queue)
+        for e in fetches:
+            if not e.disk:  # a host copy going back to its GPU: no disk read to share
+                self._start_task(self._fetch_many, ([e],))
+        for batch in _batches([e for e in fetches if e.disk]):
             self._start_task(self._fetch_many, (batch,))
 
     def _start_task(
@@ -517,7 +524,7 @@ class StoreCore:
             self._stats.puts += 1
             self._stats.bytes_put += nbytes
             handle = TensorHandle(key, e.shape, e.dtype, e.device, nbytes, self.token)
-            ref = _HandleRef(handle, self._on_handle_dead)
+            ref = _HandleRef(handle, self._handle_dead)
             ref.key = key
             e.handle_ref = ref
             self._plan_down()
@@ -621,7 +628,8 @@ class StoreCore:
             self._set_disk(e, footprint)
             self._fs_planned += footprint
             self._inflight += e.nbytes
-            self._spawn(self._spill_many, [e])
+            self._spill_queue.append(e)
+            self._wake_loop()
         self._semaphore_full = blocked
         if not blocked and self._put_waiters:
             waiters, self._put_waiters = self._put_waiters, []
@@ -826,7 +834,8 @@ class StoreCore:
         self._set_state(e, S.FETCHING)
         e.fetch_future = fut
         e.prefetched = fut is None
-        self._spawn(self._fetch_many, [e])
+        self._fetch_queue.append(e)
+        self._wake_loop()
 
     def prefetch_now(self, handles: Iterable[TensorHandle]) -> None:
         """Start bringing these entries back, newest first, within the prefetch window."""
@@ -1070,7 +1079,8 @@ class StoreCore:
             self._set_disk(e, 0)
             if not self._closed:  # at close the engine deletes every file at once
                 self._deleting += footprint
-                self._spawn(self._delete_many, [(e.key, footprint)])
+                self._delete_queue.append((e.key, footprint))
+                self._wake_loop()
         e.ready = None
 
     async def _delete_many(self, deletes: list[tuple[int, int]]) -> None:
@@ -1254,11 +1264,27 @@ class StoreCore:
         return self._closed
 
 
+def _drain(queue: collections.deque[_T]) -> list[_T]:
+    """Everything in ``queue``, emptied with atomic pops (another thread may append)."""
+    items: list[_T] = []
+    while queue:
+        items.append(queue.popleft())
+    return items
+
+
 def _batches(entries: list[_Entry]) -> Iterable[list[_Entry]]:
-    """Consecutive runs of ``entries`` of at most ``_BATCH_MAX_BYTES`` each (one at least)."""
+    """Runs of ``entries`` for one task each: big entries alone, small ones together.
+
+    Small entries (at most ``_BATCH_BYTES``) go in consecutive runs of at most
+    ``_BATCH_MAX_BYTES`` (one at least); a bigger entry is a batch of its own, which keeps
+    its chunks alone in the engine call (Note: [Batched hand-offs]).
+    """
     batch: list[_Entry] = []
     size = 0
     for e in entries:
+        if e.nbytes > _BATCH_BYTES:
+            yield [e]
+            continue
         if batch and size + e.nbytes > _BATCH_MAX_BYTES:
             yield batch
             batch, size = [], 0

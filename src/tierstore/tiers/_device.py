@@ -44,7 +44,8 @@ def compact(t: torch.Tensor) -> torch.Tensor:
 
     Keeping a view of a larger base would keep the whole base alive (Note: DESIGN invariant 2).
     """
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
@@ -59,13 +60,21 @@ def compact(t: torch.Tensor) -> torch.Tensor:
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D ``uint8`` view of a contiguous tensor's bytes (no copy)."""
+    """A 1-D ``uint8`` view of a contiguous tensor's bytes (no copy; ``t`` if it is one)."""
+    # Skipping the no-op views saves two tensor objects per spill (see from_bytes).
+    if t.dtype == torch.uint8 and t.dim() == 1:
+        return t
     return t.reshape(-1).view(torch.uint8)
 
 
 def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    """The tensor of ``dtype`` and ``shape`` whose bytes are ``buf`` (no copy)."""
-    return buf.view(dtype).reshape(shape)
+    """The tensor of ``dtype`` and ``shape`` whose bytes are ``buf`` (no copy; ``buf`` if it is).
+
+    A view that changes nothing is skipped: each one is a tensor object made and tracked by
+    the garbage collector, per tensor brought back.
+    """
+    t = buf if buf.dtype == dtype else buf.view(dtype)
+    return t if t.shape == shape else t.reshape(shape)
 
 
 def ready_event(t: torch.Tensor) -> Any:
