@@ -446,10 +446,15 @@ class StoreCore:
         for batch in _batches(_drain(self._spill_queue)):
             self._start_task(self._spill_many, (batch,))
         fetches = _drain(self._fetch_queue)
+        batched = []
         for e in fetches:
-            if not e.disk:  # a host copy going back to its GPU: no disk read to share
+            # Alone: a host copy going back to its GPU (no disk read to share), and a fetch a
+            # get already waits on, which a batch would make wait for all its reads.
+            if e.disk and e.fetch_future is None:
+                batched.append(e)
+            else:
                 self._start_task(self._fetch_many, ([e],))
-        for batch in _batches([e for e in fetches if e.disk]):
+        for batch in _batches(batched):
             self._start_task(self._fetch_many, (batch,))
 
     def _start_task(
