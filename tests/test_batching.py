@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reliability.faults import FaultyEngine
+from reliability.faults import FaultyEngine, install
 from tierstore import AsyncTieredStore, TensorHandle, Tier
 from tierstore.tiers import DiskEngine
 from tierstore.tiers._raw import RawEngine
@@ -62,12 +62,10 @@ async def test_small_spills_and_fetches_are_handed_over_in_batches(tmp_path: Pat
     async with AsyncTieredStore(
         host_bytes=0, min_bytes=0, disk_dir=str(tmp_path), prefetch_bytes=64 * MiB
     ) as store:
-        recorder: list[RecordingEngine] = []
-        store._core.wrap_engine(lambda e: recorder.append(RecordingEngine(e)) or recorder[0])
+        engine = install(store, RecordingEngine)
         tensors = [torch.randn(4 * KiB) for _ in range(300)]  # 16 KiB each
         handles = [await store.put(t) for t in tensors]  # all in one turn of the loop
         await _until_on_disk(store, handles)
-        engine = recorder[0]
         # 300 puts in one turn: one batch (4.7 MiB, under the 8 MiB cap), not 300 hand-offs.
         assert engine.write_batches == [300]
         inner = engine.inner
@@ -82,14 +80,13 @@ async def test_small_spills_and_fetches_are_handed_over_in_batches(tmp_path: Pat
 
 async def test_big_entries_are_not_batched(tmp_path: Path) -> None:
     async with AsyncTieredStore(host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)) as store:
-        recorder: list[RecordingEngine] = []
-        store._core.wrap_engine(lambda e: recorder.append(RecordingEngine(e)) or recorder[0])
+        engine = install(store, RecordingEngine)
         tensors = [torch.randn(MiB // 2) for _ in range(3)]  # 2 MiB each
         handles = [await store.put(t) for t in tensors]
         await _until_on_disk(store, handles)
         back = [await store.get(h) for h in reversed(handles)]
-        assert recorder[0].write_batches == [1, 1, 1]
-        assert recorder[0].read_batches == [1, 1, 1]
+        assert engine.write_batches == [1, 1, 1]
+        assert engine.read_batches == [1, 1, 1]
         for t, b in zip(tensors, reversed(back), strict=True):
             assert torch.equal(t, b)
 
@@ -118,12 +115,10 @@ async def test_a_get_that_waits_reads_alone_not_behind_a_batch_of_prefetches(
     async with AsyncTieredStore(
         host_bytes=0, min_bytes=0, disk_dir=str(tmp_path), prefetch_bytes=64 * MiB
     ) as store:
-        recorder: list[HeldBatchReads] = []
-        store._core.wrap_engine(lambda e: recorder.append(HeldBatchReads(e)) or recorder[0])
+        engine = install(store, HeldBatchReads)
         tensors = [torch.full((4 * KiB,), float(i)) for i in range(300)]
         handles = [await store.put(t) for t in tensors]
         await _until_on_disk(store, handles)
-        engine = recorder[0]
         newest = await asyncio.wait_for(store.get(handles[-1]), timeout=10)
         assert torch.equal(newest, tensors[-1])
         assert engine.read_batches[0] == 1  # its own read, alone
@@ -135,9 +130,7 @@ async def test_a_get_that_waits_reads_alone_not_behind_a_batch_of_prefetches(
 
 async def test_releases_free_spill_space_in_one_batch(tmp_path: Path) -> None:
     async with AsyncTieredStore(host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)) as store:
-        recorder: list[RecordingEngine] = []
-        store._core.wrap_engine(lambda e: recorder.append(RecordingEngine(e)) or recorder[0])
-        engine = recorder[0]
+        engine = install(store, RecordingEngine)
         inner = engine.inner
         assert isinstance(inner, RawEngine)
         handles = [await store.put(torch.randn(4 * KiB)) for _ in range(200)]
@@ -187,9 +180,8 @@ async def test_a_failed_delete_is_logged_and_the_others_still_free_their_space(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with AsyncTieredStore(host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)) as store:
-        recorder: list[FailingDeletes] = []
-        store._core.wrap_engine(lambda e: recorder.append(FailingDeletes(e)) or recorder[0])
-        inner = recorder[0].inner
+        engine = install(store, FailingDeletes)
+        inner = engine.inner
         assert isinstance(inner, RawEngine)
         handles = [await store.put(torch.randn(4 * KiB)) for _ in range(10)]
         await _until_on_disk(store, handles)
@@ -200,7 +192,7 @@ async def test_a_failed_delete_is_logged_and_the_others_still_free_their_space(
                 await store.release(h)
             while store._core._deleting:
                 await asyncio.sleep(0.001)
-        assert recorder[0].delete_batches == [10]
+        assert engine.delete_batches == [10]
         odd = [k for k in keys if k % 2]
         assert len(odd) == 5
         for k in odd:

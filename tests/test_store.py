@@ -12,12 +12,13 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 import tierstore
+from reliability.faults import FaultyEngine, install
 from tierstore import (
     StoreClosedError,
     TensorReleasedError,
@@ -28,7 +29,9 @@ from tierstore import (
     UnsupportedTensorError,
     WrongThreadError,
 )
-from tierstore.tiers import DiskEngine
+
+if TYPE_CHECKING:
+    from tierstore.tiers import DiskEngine
 
 MiB = 1 << 20
 MakeStore = Callable[..., TieredStore]
@@ -283,56 +286,34 @@ def test_prefetch_window_is_respected(make_store: MakeStore) -> None:
 # --------------------------------------------------------------------------- save semaphore
 
 
-class GatedEngine(DiskEngine):
-    """Wraps an engine; writes wait for a gate, and the peak of bytes in flight is recorded."""
+class GatedEngine(FaultyEngine):
+    """Writes wait for a gate, and the peak of bytes in flight is recorded."""
 
     name = "gated"
 
     def __init__(self, inner: DiskEngine) -> None:
-        super().__init__(inner.directories, inner.config)
-        self.inner = inner
+        super().__init__(inner)
         self.gate = threading.Event()
         self.inflight = 0
         self.peak = 0
         self.lock = threading.Lock()
 
-    def footprint(self, nbytes: int) -> int:
-        return self.inner.footprint(nbytes)
-
-    async def write(
-        self,
-        key: int,
-        src: torch.Tensor,
-        *,
-        dtype: torch.dtype | None = None,
-        shape: tuple[int, ...] | None = None,
-    ) -> None:
+    async def write(self, key: int, src: torch.Tensor, **kwargs: Any) -> None:
         with self.lock:
             self.inflight += src.numel()
             self.peak = max(self.peak, self.inflight)
         try:
             while not self.gate.is_set():
                 await asyncio.sleep(0.002)
-            await self.inner.write(key, src, dtype=dtype, shape=shape)
+            await self.inner.write(key, src, **kwargs)
         finally:
             with self.lock:
                 self.inflight -= src.numel()
 
-    async def read(self, key: int, out: torch.Tensor) -> None:
-        await self.inner.read(key, out)
-
-    async def delete(self, key: int) -> None:
-        await self.inner.delete(key)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
 
 def test_put_waits_when_the_save_semaphore_is_full(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, max_inflight_bytes=2 * MiB)
-    gated: list[GatedEngine] = []
-    store._core.wrap_engine(lambda e: gated.append(GatedEngine(e)) or gated[0])
-    engine = gated[0]
+    engine = install(store, GatedEngine)
     done = threading.Event()
     handles: list[Any] = []
 
@@ -409,13 +390,12 @@ def test_handles_of_another_store_are_rejected(make_store: MakeStore) -> None:
 
 def test_release_during_a_spill_frees_everything(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
-    gated: list[GatedEngine] = []
-    store._core.wrap_engine(lambda e: gated.append(GatedEngine(e)) or gated[0])
+    gated = install(store, GatedEngine)
     h = store.put(torch.randn(MiB // 4))
     assert store.state_of(h) is TensorState.MOVING_TO_DISK
     assert torch.equal(store.get(h), store.get(h))  # source still readable in flight
     store.release(h)
-    gated[0].gate.set()
+    gated.gate.set()
     _wait_for(lambda: store.stats().inflight_bytes == 0)
     st = store.stats()
     assert (st.host.bytes, st.disk.bytes, st.live_entries) == (0, 0, 0)
@@ -588,8 +568,7 @@ class HeldReadEngine(GatedEngine):
 def test_a_get_waiting_on_a_failed_prefetch_reads_once_itself(make_store: MakeStore) -> None:
     # Note: [A failed prefetch is retried once]: the prefetch began before the disk recovered.
     store = make_store(device_bytes=0, host_bytes=0)
-    held: list[HeldReadEngine] = []
-    store._core.wrap_engine(lambda e: held.append(HeldReadEngine(e)) or held[0])
+    held = install(store, HeldReadEngine)
     t = torch.randn(MiB // 4)
     h = store.put(t)
     _wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
@@ -599,17 +578,16 @@ def test_a_get_waiting_on_a_failed_prefetch_reads_once_itself(make_store: MakeSt
     getter = threading.Thread(target=lambda: result.append(store.get(h)))
     getter.start()
     _wait_for(lambda: store.stats().prefetch_hits == 1)  # the get waits on the prefetch
-    held[0].read_gate.set()  # the prefetch's read now fails; the disk is healthy after it
+    held.read_gate.set()  # the prefetch's read now fails; the disk is healthy after it
     getter.join(10)
     assert len(result) == 1 and torch.equal(result[0], t)
-    assert held[0].reads == 2 and store.stats().read_errors == 1
+    assert held.reads == 2 and store.stats().read_errors == 1
 
 
 def test_a_prefetch_makes_a_future_only_when_a_get_waits_on_it(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
-    held: list[HeldReadEngine] = []
-    store._core.wrap_engine(lambda e: held.append(HeldReadEngine(e)) or held[0])
-    held[0].failing = 0
+    held = install(store, HeldReadEngine)
+    held.failing = 0
     ts = [torch.randn(MiB // 4) for _ in range(2)]
     hs = [store.put(t) for t in ts]
     _wait_for(
@@ -624,24 +602,23 @@ def test_a_prefetch_makes_a_future_only_when_a_get_waits_on_it(make_store: MakeS
     getter.start()
     _wait_for(lambda: entries[1].fetch_future is not None)  # the waiting get made one
     assert entries[0].fetch_future is None
-    held[0].read_gate.set()
+    held.read_gate.set()
     getter.join(10)
     assert len(result) == 1 and torch.equal(result[0], ts[1])
     _wait_for(lambda: store.state_of(hs[0]) is TensorState.FETCHED)
     assert torch.equal(store.get(hs[0]), ts[0])  # finished before anyone asked: no future
-    assert held[0].reads == 2 and store.stats().prefetch_hits == 2
+    assert held.reads == 2 and store.stats().prefetch_hits == 2
 
 
 def test_a_get_whose_own_read_fails_raises(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
-    held: list[HeldReadEngine] = []
-    store._core.wrap_engine(lambda e: held.append(HeldReadEngine(e)) or held[0])
+    held = install(store, HeldReadEngine)
     h = store.put(torch.randn(MiB // 4))
     _wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
-    held[0].read_gate.set()
+    held.read_gate.set()
     with pytest.raises(tierstore.SpillIOError, match=f"tensor #{h.key}"):
         store.get(h)
-    assert held[0].reads == 1
+    assert held.reads == 1
 
 
 def test_one_get_plans_a_step_of_prefetch_and_the_window_fills_behind_it(
@@ -653,9 +630,8 @@ def test_one_get_plans_a_step_of_prefetch_and_the_window_fills_behind_it(
 
     n = 3 * _PREFETCH_STEP + 10
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes="unlimited")
-    held: list[HeldReadEngine] = []
-    store._core.wrap_engine(lambda e: held.append(HeldReadEngine(e)) or held[0])
-    held[0].failing = 0
+    held = install(store, HeldReadEngine)
+    held.failing = 0
     ts = [torch.full((1024,), float(i)) for i in range(n)]  # 4 KiB each
     hs = [store.put(t) for t in ts]
     _wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs), timeout=30)
@@ -670,7 +646,7 @@ def test_one_get_plans_a_step_of_prefetch_and_the_window_fills_behind_it(
     _wait_for(lambda: fetching() > 0)
     time.sleep(0.05)  # reads are held: nothing more may start until one ends
     assert fetching() == 1 + _PREFETCH_STEP  # its own read and one step of the walk
-    held[0].read_gate.set()
+    held.read_gate.set()
     getter.join(10)
     assert len(result) == 1 and torch.equal(result[0], ts[-1])
     # No other get comes, yet the walk goes on as fetches end, until the window holds them all.

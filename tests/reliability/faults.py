@@ -19,14 +19,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from tierstore.tiers import DiskEngine
 
 if TYPE_CHECKING:
     import torch
 
-    from tierstore import TieredStore
+    from tierstore import AsyncTieredStore, TieredStore
 
 __all__ = ["FaultyEngine", "backdoor_files", "install", "settled", "short_io", "wait_for"]
 
@@ -156,12 +156,20 @@ class FaultyEngine(DiskEngine):
         return {**self.inner.describe(), "wrapped_by": self.name}
 
 
-def install(store: TieredStore) -> FaultyEngine:
-    """Wrap ``store``'s disk engine in a :class:`FaultyEngine` and return the wrapper."""
+_Wrapper = TypeVar("_Wrapper", bound=FaultyEngine)
+
+
+@overload
+def install(store: TieredStore | AsyncTieredStore) -> FaultyEngine: ...
+@overload
+def install(store: TieredStore | AsyncTieredStore, kind: type[_Wrapper]) -> _Wrapper: ...
+def install(store: TieredStore | AsyncTieredStore, kind: type[FaultyEngine] = FaultyEngine) -> Any:
+    """Wrap ``store``'s disk engine in a ``kind`` (a :class:`FaultyEngine` or a subclass of
+    it) before anything is spilled, and return the wrapper."""
     box: list[FaultyEngine] = []
 
     def wrap(inner: DiskEngine) -> DiskEngine:
-        box.append(FaultyEngine(inner))
+        box.append(kind(inner))
         return box[0]
 
     store._core.wrap_engine(wrap)
