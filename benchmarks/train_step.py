@@ -14,10 +14,11 @@ torch.cuda.max_memory_allocated). With --rounds N every mode runs N times, the m
 turns, so that load from other processes on a shared machine falls on all modes alike; the
 step time is then the median over all rounds' steps and the peak the median of the rounds'.
 
-Every child runs with MALLOC_MMAP_THRESHOLD_=1048576, the
-setting the store would otherwise make itself (see Note: [Returning host memory] in
-src/tierstore/_malloc.py), so that every mode, not only the offloading ones, returns freed
-tensors to the OS and the RSS comparison is fair.
+Every child runs with MALLOC_MMAP_THRESHOLD_=1048576, so that every mode returns freed
+tensors of 1 MiB and more to the OS at once. Without it glibc would keep them in its heap in
+the modes that do not offload, while the store returns what it frees with malloc_trim (Note:
+[Returning host memory] in src/tierstore/_malloc.py), and the RSS comparison would favour
+the store.
 
     python benchmarks/train_step.py --json results.jsonl
 """

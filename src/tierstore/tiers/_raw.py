@@ -31,7 +31,9 @@ Note: [Small blobs travel in packs]
     reads that arrive together are sorted by offset and neighbours are read with one
     ``pread``. A caller's blobs share one :class:`_Waiter` rather than a future each: per-blob
     futures, with their callbacks and contexts, were a quarter of the objects the garbage
-    collector had to walk for every spilled tensor. ``docs/disk-engine.md`` has the figures.
+    collector had to walk for every spilled tensor. For the same reason a packed blob is
+    recorded in one :class:`_Packed` object, not a :class:`_Blob` with its lists, chunk and
+    extent. ``docs/disk-engine.md`` has the figures.
 """
 
 from __future__ import annotations
