@@ -58,6 +58,14 @@ async def _until_on_disk(store: AsyncTieredStore, handles: list[TensorHandle]) -
             await asyncio.sleep(0.001)
 
 
+async def _release_all(store: AsyncTieredStore, handles: list[TensorHandle]) -> None:
+    """Release every handle in one turn, then wait until their spill space is freed."""
+    for h in handles:
+        await store.release(h)
+    while store._core._deleting:
+        await asyncio.sleep(0.001)
+
+
 async def test_small_spills_and_fetches_are_handed_over_in_batches(tmp_path: Path) -> None:
     async with AsyncTieredStore(
         host_bytes=0, min_bytes=0, disk_dir=str(tmp_path), prefetch_bytes=64 * MiB
@@ -136,10 +144,7 @@ async def test_releases_free_spill_space_in_one_batch(tmp_path: Path) -> None:
         handles = [await store.put(torch.randn(4 * KiB)) for _ in range(200)]
         await _until_on_disk(store, handles)
         free_before = inner.reusable_bytes()
-        for h in handles:
-            await store.release(h)
-        while store._core._deleting:
-            await asyncio.sleep(0.001)
+        await _release_all(store, handles)
         # 200 releases in one turn: one hand-off, not a task each; every extent is free again.
         assert engine.delete_batches == [200]
         assert inner.reusable_bytes() == free_before + 200 * 16 * KiB
@@ -188,10 +193,7 @@ async def test_a_failed_delete_is_logged_and_the_others_still_free_their_space(
         free_before = inner.reusable_bytes()
         keys = [h.key for h in handles]
         with caplog.at_level(logging.WARNING, logger="tierstore"):
-            for h in handles:
-                await store.release(h)
-            while store._core._deleting:
-                await asyncio.sleep(0.001)
+            await _release_all(store, handles)
         assert engine.delete_batches == [10]
         odd = [k for k in keys if k % 2]
         assert len(odd) == 5

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tierstore
-from reliability.faults import FaultyEngine, install
+from reliability.faults import FaultyEngine, install, wait_for
 from tierstore import (
     StoreClosedError,
     TensorReleasedError,
@@ -86,14 +86,6 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.005)
-
-
 # --------------------------------------------------------------------------- round trips
 
 
@@ -106,7 +98,7 @@ def test_every_dtype_round_trips_bit_exact_in_every_tier(
     store = make_store(device_bytes=caps[0], host_bytes=caps[1])
     t = _random((3, 5, 7), dtype, seed=_cpu_dtypes().index(dtype))
     h = store.put(t)
-    _wait_for(lambda: store.state_of(h) in (TensorState.DEVICE, TensorState.HOST, TensorState.DISK))
+    wait_for(lambda: store.state_of(h) in (TensorState.DEVICE, TensorState.HOST, TensorState.DISK))
     assert store.tier_of(h) is Tier(tier)
     for _ in range(2):  # get repeats until release
         out = store.get(h)
@@ -128,7 +120,7 @@ def test_views_noncontiguous_zero_size_and_scalars(make_store: MakeStore, tier: 
         "neg_bit": torch.randn(4, dtype=torch.complex64).conj().imag,
     }
     handles = {k: store.put(v) for k, v in cases.items()}
-    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.stats().inflight_bytes == 0)
     if tier == "disk":
         tiers = {k: store.tier_of(h) for k, h in handles.items()}
         assert tiers.pop("zero_size") is Tier.DEVICE  # nothing to move
@@ -167,7 +159,7 @@ def test_a_view_does_not_keep_its_base_alive(make_store: MakeStore) -> None:
 def test_cascade_keeps_newest_in_fastest_tier(make_store: MakeStore) -> None:
     store = make_store(device_bytes=2 * MiB, host_bytes=2 * MiB, prefetch_bytes=0)
     hs = [store.put(torch.full((MiB // 4,), float(i))) for i in range(6)]  # 1 MiB each
-    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.stats().inflight_bytes == 0)
     tiers = [store.tier_of(h) for h in hs]
     assert tiers == [Tier.DISK, Tier.DISK, Tier.HOST, Tier.HOST, Tier.DEVICE, Tier.DEVICE]
     st = store.stats()
@@ -181,14 +173,14 @@ def test_cascade_keeps_newest_in_fastest_tier(make_store: MakeStore) -> None:
 def test_small_tensors_stay_put(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, min_bytes="64KiB")
     small, big = store.put(torch.ones(100)), store.put(torch.ones(MiB // 4))
-    _wait_for(lambda: store.tier_of(big) is Tier.DISK)
+    wait_for(lambda: store.tier_of(big) is Tier.DISK)
     assert store.tier_of(small) is Tier.DEVICE
 
 
 def test_spilled_bytes_are_really_in_the_spill_directory(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
     hs = [store.put(torch.randn(MiB // 4)) for _ in range(4)]
-    _wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs))
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs))
     (spill,) = store.spill_dirs
     on_disk = sum(p.stat().st_blocks * 512 for p in Path(spill).rglob("*") if p.is_file())
     assert on_disk >= 4 * MiB
@@ -242,7 +234,7 @@ def test_backward_order_sweep_mostly_hits(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=MiB, prefetch_bytes=8 * MiB)
     ts = [torch.randn(MiB // 4) for _ in range(40)]
     hs = [store.put(t) for t in ts]
-    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.stats().inflight_bytes == 0)
     for h, t in zip(reversed(hs), reversed(ts), strict=False):
         assert torch.equal(store.get(h), t)
     st = store.stats()
@@ -256,7 +248,7 @@ def test_a_backward_sweep_walks_each_entry_about_once(make_store: MakeStore) -> 
     n = 1500
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes="unlimited")
     hs = [store.put(torch.full((256,), float(i))) for i in range(n)]
-    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.stats().inflight_bytes == 0)
     for i in reversed(range(n)):
         assert store.get(hs[i])[0].item() == float(i)
     assert store._core.walk_steps <= 3 * n, store._core.walk_steps
@@ -270,16 +262,16 @@ def test_a_backward_sweep_walks_each_entry_about_once(make_store: MakeStore) -> 
 def test_prefetch_window_is_respected(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=3 * MiB)
     hs = [store.put(torch.randn(MiB // 4)) for _ in range(10)]
-    _wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs))
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs))
     store.prefetch(hs)
-    _wait_for(lambda: store.state_of(hs[-1]) is TensorState.FETCHED)
+    wait_for(lambda: store.state_of(hs[-1]) is TensorState.FETCHED)
     states = [store.state_of(h) for h in hs]
     fetched = [i for i, s in enumerate(states) if s in (TensorState.FETCHED, TensorState.FETCHING)]
     assert fetched == [7, 8, 9], states  # newest first, 3 MiB of window
     store._core.audit()
     # Consuming one frees room for the next older one.
     store.get(hs[9])
-    _wait_for(lambda: store.state_of(hs[6]) in (TensorState.FETCHED, TensorState.FETCHING))
+    wait_for(lambda: store.state_of(hs[6]) in (TensorState.FETCHED, TensorState.FETCHING))
     assert store.state_of(hs[9]) is TensorState.DISK
 
 
@@ -324,7 +316,7 @@ def test_put_waits_when_the_save_semaphore_is_full(make_store: MakeStore) -> Non
 
     thread = threading.Thread(target=producer)
     thread.start()
-    _wait_for(lambda: engine.inflight == 2 * MiB)
+    wait_for(lambda: engine.inflight == 2 * MiB)
     time.sleep(0.1)
     assert not done.is_set(), "put did not wait although 2 MiB were in flight"
     assert len(handles) <= 3
@@ -333,7 +325,7 @@ def test_put_waits_when_the_save_semaphore_is_full(make_store: MakeStore) -> Non
     thread.join(10)
     assert done.is_set()
     assert engine.peak <= 2 * MiB
-    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.stats().inflight_bytes == 0)
     assert all(store.tier_of(h) is Tier.DISK for h in handles)
     assert store.stats().put_wait_seconds > 0.05
 
@@ -344,7 +336,7 @@ def test_put_waits_when_the_save_semaphore_is_full(make_store: MakeStore) -> Non
 def test_entry_lives_exactly_as_long_as_its_handle(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
     h = store.put(torch.randn(MiB // 4))
-    _wait_for(lambda: store.stats().disk.entries == 1 and store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.stats().disk.entries == 1 and store.stats().inflight_bytes == 0)
     assert store.tier_of(h) is Tier.DISK
     (spill,) = store.spill_dirs
     assert store.stats().live_entries == 1
@@ -353,7 +345,7 @@ def test_entry_lives_exactly_as_long_as_its_handle(make_store: MakeStore) -> Non
     st = store.stats()
     assert st.live_entries == 0 and st.disk.bytes == 0 and st.releases == 1
     store._core.audit()
-    _wait_for(lambda: not [p for p in Path(spill).iterdir() if p.name.endswith(".bin")])
+    wait_for(lambda: not [p for p in Path(spill).iterdir() if p.name.endswith(".bin")])
 
 
 def test_store_keeps_no_strong_reference_to_handles(make_store: MakeStore) -> None:
@@ -396,7 +388,7 @@ def test_release_during_a_spill_frees_everything(make_store: MakeStore) -> None:
     assert torch.equal(store.get(h), store.get(h))  # source still readable in flight
     store.release(h)
     gated.gate.set()
-    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.stats().inflight_bytes == 0)
     st = store.stats()
     assert (st.host.bytes, st.disk.bytes, st.live_entries) == (0, 0, 0)
     store._core.audit()
@@ -453,7 +445,7 @@ def test_many_threads_share_one_store(make_store: MakeStore) -> None:
         th.join(30)
     assert errors == []
     gc.collect()
-    _wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.stats().inflight_bytes == 0)
     store._core.audit()
     assert store.stats().live_entries == 0
 
@@ -540,7 +532,7 @@ def test_zarr_format_round_trips_every_dtype_through_the_store(make_store: MakeS
     store = make_store(device_bytes=0, host_bytes=0, disk_format="zarr")
     tensors = [_random((4, 3), dtype, seed=i) for i, dtype in enumerate(_cpu_dtypes())]
     handles = [store.put(t) for t in tensors]
-    _wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles))
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles))
     for h, t in zip(handles, tensors, strict=True):
         assert _same_bits(store.get(h), t), t.dtype
 
@@ -571,13 +563,13 @@ def test_a_get_waiting_on_a_failed_prefetch_reads_once_itself(make_store: MakeSt
     held = install(store, HeldReadEngine)
     t = torch.randn(MiB // 4)
     h = store.put(t)
-    _wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
     store.prefetch([h])
     assert store.state_of(h) is TensorState.FETCHING
     result: list[Any] = []
     getter = threading.Thread(target=lambda: result.append(store.get(h)))
     getter.start()
-    _wait_for(lambda: store.stats().prefetch_hits == 1)  # the get waits on the prefetch
+    wait_for(lambda: store.stats().prefetch_hits == 1)  # the get waits on the prefetch
     held.read_gate.set()  # the prefetch's read now fails; the disk is healthy after it
     getter.join(10)
     assert len(result) == 1 and torch.equal(result[0], t)
@@ -590,7 +582,7 @@ def test_a_prefetch_makes_a_future_only_when_a_get_waits_on_it(make_store: MakeS
     held.failing = 0
     ts = [torch.randn(MiB // 4) for _ in range(2)]
     hs = [store.put(t) for t in ts]
-    _wait_for(
+    wait_for(
         lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and store.stats().inflight_bytes == 0
     )
     store.prefetch(hs)
@@ -600,12 +592,12 @@ def test_a_prefetch_makes_a_future_only_when_a_get_waits_on_it(make_store: MakeS
     result: list[Any] = []
     getter = threading.Thread(target=lambda: result.append(store.get(hs[1])))
     getter.start()
-    _wait_for(lambda: entries[1].fetch_future is not None)  # the waiting get made one
+    wait_for(lambda: entries[1].fetch_future is not None)  # the waiting get made one
     assert entries[0].fetch_future is None
     held.read_gate.set()
     getter.join(10)
     assert len(result) == 1 and torch.equal(result[0], ts[1])
-    _wait_for(lambda: store.state_of(hs[0]) is TensorState.FETCHED)
+    wait_for(lambda: store.state_of(hs[0]) is TensorState.FETCHED)
     assert torch.equal(store.get(hs[0]), ts[0])  # finished before anyone asked: no future
     assert held.reads == 2 and store.stats().prefetch_hits == 2
 
@@ -614,7 +606,7 @@ def test_a_get_whose_own_read_fails_raises(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
     held = install(store, HeldReadEngine)
     h = store.put(torch.randn(MiB // 4))
-    _wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
     held.read_gate.set()
     with pytest.raises(tierstore.SpillIOError, match=f"tensor #{h.key}"):
         store.get(h)
@@ -634,7 +626,7 @@ def test_one_get_plans_a_step_of_prefetch_and_the_window_fills_behind_it(
     held.failing = 0
     ts = [torch.full((1024,), float(i)) for i in range(n)]  # 4 KiB each
     hs = [store.put(t) for t in ts]
-    _wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs), timeout=30)
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs), timeout=30)
 
     def fetching() -> int:
         busy = (TensorState.FETCHING, TensorState.FETCHED)
@@ -643,14 +635,14 @@ def test_one_get_plans_a_step_of_prefetch_and_the_window_fills_behind_it(
     result: list[torch.Tensor] = []
     getter = threading.Thread(target=lambda: result.append(store.get(hs[-1])))
     getter.start()
-    _wait_for(lambda: fetching() > 0)
+    wait_for(lambda: fetching() > 0)
     time.sleep(0.05)  # reads are held: nothing more may start until one ends
     assert fetching() == 1 + _PREFETCH_STEP  # its own read and one step of the walk
     held.read_gate.set()
     getter.join(10)
     assert len(result) == 1 and torch.equal(result[0], ts[-1])
     # No other get comes, yet the walk goes on as fetches end, until the window holds them all.
-    _wait_for(lambda: fetching() == n - 1, timeout=30)
+    wait_for(lambda: fetching() == n - 1, timeout=30)
     for h, t in zip(reversed(hs[:-1]), reversed(ts[:-1]), strict=True):
         assert torch.equal(store.get(h), t)
     assert store.stats().prefetch_misses == 1

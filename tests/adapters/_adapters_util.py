@@ -14,6 +14,10 @@ import tierstore
 
 TIERS = ("device", "host", "disk")
 
+StoreFactory = Callable[..., tierstore.TieredStore]
+"""The ``store_factory`` fixture: ``factory(tier="disk", **overrides)`` makes a store that is
+closed after the test."""
+
 
 def make_store(tier: str, disk_dir: Path, **overrides: object) -> tierstore.TieredStore:
     """A store whose every entry lands in ``tier`` (min_bytes=0: everything is eligible)."""

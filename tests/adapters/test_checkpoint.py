@@ -7,13 +7,13 @@ src/tierstore/adapters/_checkpoint.py.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from _adapters_util import (
     TIERS,
+    StoreFactory,
     assert_equal_tensors,
     grads,
     model_and_batch,
@@ -23,8 +23,6 @@ from _adapters_util import (
 from torch import nn
 
 import tierstore
-
-StoreFactory = Callable[..., tierstore.TieredStore]
 
 
 def train_steps(store: tierstore.TieredStore | None, steps: int = 2) -> list[torch.Tensor]:

@@ -10,7 +10,6 @@ import gc
 import logging
 import statistics
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -18,6 +17,7 @@ import pytest
 import torch
 from _adapters_util import (
     TIERS,
+    StoreFactory,
     assert_equal_tensors,
     grads,
     model_and_batch,
@@ -28,8 +28,6 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import tierstore
-
-StoreFactory = Callable[..., tierstore.TieredStore]
 
 
 def train_steps(

@@ -55,6 +55,17 @@ def _start(code: str) -> subprocess.Popen[str]:
     )
 
 
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=90,
+        check=False,
+    )
+
+
 def _spill_dir_and_wait_in_flight(proc: subprocess.Popen[str]) -> Path:
     assert proc.stdout is not None
     spill = Path(proc.stdout.readline().strip())
@@ -165,14 +176,7 @@ def test_exit_with_io_pending_finishes_or_cancels_without_hanging(
 ) -> None:
     code = SLOW_EXIT.format(disk_dir=str(disk_dir), slow=slow, timeout=timeout)
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=90,
-        check=False,
-    )
+    proc = _run(code)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.split("\n")
@@ -249,14 +253,7 @@ ASYNC_EXIT = """
 
 def test_async_store_left_open_when_its_loop_ends_exits_cleanly(disk_dir: Path) -> None:
     # install() needs a TieredStore-like object; AsyncTieredStore has the same _core.
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(ASYNC_EXIT.format(disk_dir=str(disk_dir)))],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=90,
-        check=False,
-    )
+    proc = _run(ASYNC_EXIT.format(disk_dir=str(disk_dir)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[1] == "PENDING"
@@ -282,14 +279,7 @@ DROPPED_SYNC = """
 
 
 def test_sync_store_dropped_without_close_leaves_nothing_at_exit(disk_dir: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(DROPPED_SYNC.format(disk_dir=str(disk_dir)))],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=90,
-        check=False,
-    )
+    proc = _run(DROPPED_SYNC.format(disk_dir=str(disk_dir)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not Path(proc.stdout.splitlines()[0]).exists()
     assert list(disk_dir.iterdir()) == []
