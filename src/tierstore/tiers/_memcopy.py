@@ -1,15 +1,36 @@
 """Copies and fills over raw addresses; short ones keep the GIL.
 
 See Note: [Short foreign calls keep the GIL] in ``_checksum.py``.
+
+Note: [Prefaulting a read's destination]
+    A small tensor read back from disk is copied out of a bounce buffer into a fresh
+    ``torch.empty``, whose pages the kernel usually no longer backs: the store's
+    ``malloc_trim`` (Note: [Returning host memory]) and glibc's own heap trimming hand freed
+    pages back, so the copy takes one page fault per 4 KiB. On the development machine (a VM)
+    copying 64 KiB into such memory took 34 us; asking for the pages first with one
+    ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) and then copying took 25 us. In five
+    alternating runs of 4096 x 64 KiB put+get rounds in steady state, reading back took 53-68
+    us per tensor against 66-72 without. Populating never changes the contents of memory, so
+    the range may include the neighbours that share its first and last page.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
+import mmap
+import sys
+from typing import TYPE_CHECKING, cast
 
 from tierstore.tiers._checksum import SHORT_CALL_BYTES
 
-__all__ = ["memmove", "memset"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["memmove", "memset", "prefault"]
+
+log = logging.getLogger("tierstore")
 
 
 # ctypes.memmove/memset themselves release the GIL; these prototypes call the same C functions
@@ -40,3 +61,51 @@ def memset(dst: int, value: int, nbytes: int) -> None:
         _memset_held(dst, value, nbytes)
     else:
         ctypes.memset(dst, value, nbytes)
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+PREFAULT_MIN_BYTES = 16 << 10
+"""Below four pages, a system call costs more than the faults it saves."""
+
+
+def _load_madvise(dll: type[ctypes.CDLL]) -> Callable[[int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = dll(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return cast("Callable[[int, int, int], int]", fn)
+
+
+_madvise = _load_madvise(ctypes.CDLL)
+
+
+def prefault(dst: int, nbytes: int) -> bool:
+    """Make the pages under ``nbytes`` at ``dst`` present and writable, without writing them.
+
+    See Note: [Prefaulting a read's destination]. Unlike a short copy, the call releases the
+    GIL: it is the part that faults, and keeping the GIL through it measured no faster.
+    Returns whether the kernel populated the range; ``False`` for ranges under
+    :data:`PREFAULT_MIN_BYTES`, off Linux, and for good once the kernel turns out not to know
+    ``MADV_POPULATE_WRITE`` (before 5.14), after which the copy simply faults as before.
+    """
+    global _madvise
+    fn = _madvise
+    if fn is None or nbytes < PREFAULT_MIN_BYTES:
+        return False
+    lo = dst - dst % _PAGE
+    hi = -(-(dst + nbytes) // _PAGE) * _PAGE
+    if fn(lo, hi - lo, _MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+        log.debug(
+            "tierstore: madvise(MADV_POPULATE_WRITE) unsupported (%s); not prefaulting",
+            errno.errorcode.get(err, err),
+        )
+        _madvise = None
+    return False

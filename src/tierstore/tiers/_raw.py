@@ -58,7 +58,7 @@ from tierstore.errors import ConfigError, CorruptTensorError
 from tierstore.tiers._checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
 from tierstore.tiers._checksum import crc32c
 from tierstore.tiers._engine import DiskEngine, WriteRequest
-from tierstore.tiers._memcopy import memmove, memset
+from tierstore.tiers._memcopy import memmove, memset, prefault
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -848,6 +848,8 @@ class RawEngine(DiskEngine):
                 if self._checksum and (got := crc32c(at, b.size)) != b.crc:
                     errors.append(_crc_mismatch(b.chunks[0], 0, got, b.crc))
                     continue
+                # See Note: [Prefaulting a read's destination].
+                prefault(it.out.data_ptr(), b.size)
                 memmove(it.out.data_ptr(), at, b.size)
                 errors.append(None)
             return errors
@@ -890,6 +892,7 @@ class RawEngine(DiskEngine):
         try:
             _pread_all(c.file.fd, buf.view[: _pad(c.length)], c.offset, c.file.path)
             self._verify(blob, i, buf.address)
+            prefault(dst, c.length)
             memmove(dst, buf.address, c.length)
         finally:
             self._bounce.put(buf)

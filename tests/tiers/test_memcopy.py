@@ -1,0 +1,122 @@
+"""prefault() in tiers/_memcopy.py (Note: [Prefaulting a read's destination])."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import sys
+
+import pytest
+import torch
+
+from tierstore.tiers import _memcopy
+from tierstore.tiers._memcopy import PREFAULT_MIN_BYTES, prefault
+
+PAGE = mmap.PAGESIZE
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+
+
+def _fresh_pages(npages: int) -> tuple[mmap.mmap, torch.Tensor]:
+    m = mmap.mmap(-1, npages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return m, torch.frombuffer(m, dtype=torch.uint8)
+
+
+def _resident(address: int, npages: int) -> list[bool]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vec = (ctypes.c_ubyte * npages)()
+    assert libc.mincore(address, npages * PAGE, vec) == 0, ctypes.get_errno()
+    return [bool(v & 1) for v in vec]
+
+
+def _populate_supported() -> bool:
+    m, t = _fresh_pages(8)
+    try:
+        return prefault(t.data_ptr(), 8 * PAGE)
+    finally:
+        del t
+        m.close()
+
+
+@linux_only
+def test_prefault_makes_exactly_the_covering_pages_resident() -> None:
+    if not _populate_supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    m, t = _fresh_pages(32)
+    try:
+        base = t.data_ptr()
+        assert _resident(base, 32) == [False] * 32
+        # 64 KiB starting 100 bytes into page 3 covers pages 3..19 (17 pages).
+        assert prefault(base + 3 * PAGE + 100, 64 << 10)
+        assert _resident(base, 32) == [False] * 3 + [True] * 17 + [False] * 12
+    finally:
+        del t
+        m.close()
+
+
+@linux_only
+def test_prefault_never_changes_memory_including_the_neighbours_on_shared_pages() -> None:
+    m, t = _fresh_pages(32)
+    try:
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+        before = t.clone()
+        prefault(t.data_ptr() + 1000, 20 * PAGE + 7)
+        assert torch.equal(t, before)
+    finally:
+        del t
+        m.close()
+
+
+def test_prefault_leaves_short_ranges_to_the_copy() -> None:
+    calls: list[tuple[int, int, int]] = []
+
+    def spy(addr: int, length: int, advice: int) -> int:
+        calls.append((addr, length, advice))
+        return 0
+
+    original = _memcopy._madvise
+    _memcopy._madvise = spy
+    try:
+        assert not prefault(PAGE, PREFAULT_MIN_BYTES - 1)
+        assert calls == []
+        assert prefault(PAGE + 1, PREFAULT_MIN_BYTES)
+        assert calls == [(PAGE, PREFAULT_MIN_BYTES + PAGE, _memcopy._MADV_POPULATE_WRITE)]
+    finally:
+        _memcopy._madvise = original
+
+
+def test_a_kernel_without_populate_write_turns_prefaulting_off_for_good() -> None:
+    calls = 0
+
+    def old_kernel(addr: int, length: int, advice: int) -> int:
+        nonlocal calls
+        calls += 1
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    original = _memcopy._madvise
+    _memcopy._madvise = old_kernel
+    try:
+        assert not prefault(PAGE, 64 << 10)
+        assert not prefault(PAGE, 64 << 10)
+        assert calls == 1
+        assert _memcopy._madvise is None
+    finally:
+        _memcopy._madvise = original
+
+
+def test_a_passing_failure_keeps_prefaulting_on() -> None:
+    # ENOMEM (say, a range that is not all mapped) says nothing about the kernel's support.
+    def enomem(addr: int, length: int, advice: int) -> int:
+        ctypes.set_errno(errno.ENOMEM)
+        return -1
+
+    original = _memcopy._madvise
+    _memcopy._madvise = enomem
+    try:
+        assert not prefault(PAGE, 64 << 10)
+        assert _memcopy._madvise is enomem
+    finally:
+        _memcopy._madvise = original
