@@ -150,7 +150,7 @@ async def test_releases_free_spill_space_in_one_batch(tmp_path: Path) -> None:
         assert inner.reusable_bytes() == free_before + 200 * 16 * KiB
 
 
-async def test_a_spilled_small_tensor_keeps_five_objects_for_the_garbage_collector(
+async def test_a_spilled_small_tensor_keeps_four_objects_for_the_garbage_collector(
     tmp_path: Path,
 ) -> None:
     # A full collection walks every tracked object alive, so each one a spilled tensor keeps
@@ -163,9 +163,10 @@ async def test_a_spilled_small_tensor_keeps_five_objects_for_the_garbage_collect
         await _until_on_disk(store, handles)
         gc.collect()
         per_tensor = (len(gc.get_objects()) - before) / len(handles)
-        # The entry, its handle, the store's weak reference to the handle, the shape, and
-        # the record of where the bytes lie on disk.
-        assert per_tensor < 5.5, per_tensor
+        # The entry, its handle, the store's weak reference to the handle, and the record of
+        # where the bytes lie on disk. The shape is a plain tuple of ints, which the collector
+        # stops tracking (a torch.Size it would track for good).
+        assert per_tensor < 4.5, per_tensor
         for i, h in reversed(list(enumerate(handles))):
             assert torch.equal(await store.get(h), torch.full((4 * KiB,), float(i)))
 

@@ -143,7 +143,9 @@ class _Entry:
 
     def __init__(self, key: int, t: torch.Tensor, movable: bool) -> None:
         self.key = key
-        self.shape = t.shape
+        # A plain tuple, not the tensor's torch.Size: the garbage collector stops tracking a
+        # tuple of ints, never a tuple subclass (see the five-objects test in test_batching).
+        self.shape = tuple(t.shape)
         self.dtype = t.dtype
         self.device = t.device
         self.nbytes = t.numel() * t.element_size()
@@ -709,7 +711,7 @@ class StoreCore:
         requests = []
         for e in entries:
             assert e.host is not None
-            requests.append(WriteRequest(e.key, as_bytes(e.host), e.dtype, tuple(e.shape)))
+            requests.append(WriteRequest(e.key, as_bytes(e.host), e.dtype, e.shape))
         t0 = time.perf_counter()
         outcomes = await self._engine.write_many(requests)
         with self._lock:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
+import torch
 
 __all__ = ["TensorHandle"]
 
@@ -24,27 +21,32 @@ class TensorHandle:
         nbytes: the tensor's size in bytes (elements times element size).
     """
 
-    __slots__ = ("__weakref__", "_owner", "_released", "device", "dtype", "key", "nbytes", "shape")
+    __slots__ = ("__weakref__", "_owner", "_released", "_shape", "device", "dtype", "key", "nbytes")
 
     def __init__(
         self,
         key: int,
-        shape: torch.Size,
+        shape: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device,
         nbytes: int,
         owner: int,
     ) -> None:
         self.key = key
-        self.shape = shape
+        self._shape = shape
         self.dtype = dtype
         self.device = device
         self.nbytes = nbytes
         self._owner = owner
         self._released = False
 
+    @property
+    def shape(self) -> torch.Size:
+        # Kept as a plain tuple, which the garbage collector stops tracking; see _Entry.shape.
+        return torch.Size(self._shape)
+
     def __repr__(self) -> str:
-        shape = "x".join(str(s) for s in self.shape) or "scalar"
+        shape = "x".join(str(s) for s in self._shape) or "scalar"
         return (
             f"TensorHandle(#{self.key}, {shape}, {str(self.dtype).removeprefix('torch.')}, "
             f"{self.device}, {self.nbytes} bytes)"

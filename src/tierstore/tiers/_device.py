@@ -67,7 +67,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """The tensor of ``dtype`` and ``shape`` whose bytes are ``buf`` (no copy; ``buf`` if it is).
 
     A view that changes nothing is skipped: each one is a tensor object made and tracked by
