@@ -44,8 +44,12 @@ class HostPool:
     """Page-aligned host buffers, reused once no tensor refers to them.
 
     Args:
-        keep_bytes: free buffers kept for reuse beyond this many bytes are unmapped, so the
-            pool never holds much more memory than the reads in flight need.
+        keep_bytes: when a new buffer has to be mapped, free buffers beyond this many bytes
+            are unmapped first. Until then, buffers freed by their tensors stay mapped for
+            reuse: after a caller held many tensors read back at once and dropped them, the
+            pool keeps that much memory until the next read needs a buffer of a new size (or
+            ``clear``). In training, backward drops each tensor soon after it comes back, so
+            the pool stays near the prefetch window.
     """
 
     def __init__(self, keep_bytes: int) -> None:
