@@ -69,25 +69,23 @@ def test_prefault_never_changes_memory_including_the_neighbours_on_shared_pages(
         m.close()
 
 
-def test_prefault_leaves_short_ranges_to_the_copy() -> None:
+def test_prefault_leaves_short_ranges_to_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, int, int]] = []
 
     def spy(addr: int, length: int, advice: int) -> int:
         calls.append((addr, length, advice))
         return 0
 
-    original = _memcopy._madvise
-    _memcopy._madvise = spy
-    try:
-        assert not prefault(PAGE, PREFAULT_MIN_BYTES - 1)
-        assert calls == []
-        assert prefault(PAGE + 1, PREFAULT_MIN_BYTES)
-        assert calls == [(PAGE, PREFAULT_MIN_BYTES + PAGE, _memcopy._MADV_POPULATE_WRITE)]
-    finally:
-        _memcopy._madvise = original
+    monkeypatch.setattr(_memcopy, "_madvise", spy)
+    assert not prefault(PAGE, PREFAULT_MIN_BYTES - 1)
+    assert calls == []
+    assert prefault(PAGE + 1, PREFAULT_MIN_BYTES)
+    assert calls == [(PAGE, PREFAULT_MIN_BYTES + PAGE, _memcopy._MADV_POPULATE_WRITE)]
 
 
-def test_a_kernel_without_populate_write_turns_prefaulting_off_for_good() -> None:
+def test_a_kernel_without_populate_write_turns_prefaulting_off_for_good(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     calls = 0
 
     def old_kernel(addr: int, length: int, advice: int) -> int:
@@ -96,27 +94,19 @@ def test_a_kernel_without_populate_write_turns_prefaulting_off_for_good() -> Non
         ctypes.set_errno(errno.EINVAL)
         return -1
 
-    original = _memcopy._madvise
-    _memcopy._madvise = old_kernel
-    try:
-        assert not prefault(PAGE, 64 << 10)
-        assert not prefault(PAGE, 64 << 10)
-        assert calls == 1
-        assert _memcopy._madvise is None
-    finally:
-        _memcopy._madvise = original
+    monkeypatch.setattr(_memcopy, "_madvise", old_kernel)
+    assert not prefault(PAGE, 64 << 10)
+    assert not prefault(PAGE, 64 << 10)
+    assert calls == 1
+    assert _memcopy._madvise is None
 
 
-def test_a_passing_failure_keeps_prefaulting_on() -> None:
+def test_a_passing_failure_keeps_prefaulting_on(monkeypatch: pytest.MonkeyPatch) -> None:
     # ENOMEM (say, a range that is not all mapped) says nothing about the kernel's support.
     def enomem(addr: int, length: int, advice: int) -> int:
         ctypes.set_errno(errno.ENOMEM)
         return -1
 
-    original = _memcopy._madvise
-    _memcopy._madvise = enomem
-    try:
-        assert not prefault(PAGE, 64 << 10)
-        assert _memcopy._madvise is enomem
-    finally:
-        _memcopy._madvise = original
+    monkeypatch.setattr(_memcopy, "_madvise", enomem)
+    assert not prefault(PAGE, 64 << 10)
+    assert _memcopy._madvise is enomem
