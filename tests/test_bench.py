@@ -68,6 +68,10 @@ def test_bench_runs_tiny_and_writes_the_json_schema(tmp_path: Path) -> None:
     assert "tierstore-raw" in done.stdout and "GB/s" in done.stdout
     assert "tierstore-raw-steady write = " in done.stdout and "x raw-limit-overwrite" in done.stdout
     assert "page cache" in done.stdout
+    # One stats line per store path and size, each naming its size.
+    for path in ("tierstore-raw", "tierstore-raw-2dirs", "tierstore-zarr"):
+        for size in ("64KiB", "1MiB"):
+            assert f"\n{path} {size} stats (last repeat, both rounds): tierstore:" in done.stdout
     # Nothing left behind in the directory the benchmark ran in.
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
 

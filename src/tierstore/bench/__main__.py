@@ -225,7 +225,8 @@ def _run(
                         per = (t.write_s + t.read_s) / len(tensors) * 1e6
                         us_per_tensor.setdefault(f"{label} {_size_name(size)}", []).append(per)
                 if timing.stats:
-                    summaries[name] = timing.stats
+                    # The last repeat's store at each size; its stats cover both rounds.
+                    summaries[f"{name} {_size_name(size)}"] = timing.stats
         del tensors
     progress.finish()
 
@@ -350,7 +351,7 @@ def _print_table(
             "write+read per tensor (us, median): " + ", ".join(f"{k} {v}" for k, v in per.items())
         )
     for name, summary in summaries.items():
-        print(f"{name} stats: {summary}")
+        print(f"{name} stats (last repeat, both rounds): {summary}")
 
 
 def _triple(r: Row | None) -> str:
