@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -52,10 +52,23 @@ class RecordingEngine(FaultyEngine):
         return await self.inner.delete_many(keys)
 
 
+_Recording = TypeVar("_Recording", bound=RecordingEngine)
+
+
 async def _until_on_disk(store: AsyncTieredStore, handles: list[TensorHandle]) -> None:
     for h in handles:
         while await store.tier_of(h) is not Tier.DISK:
             await asyncio.sleep(0.001)
+
+
+async def _spill_on_raw(
+    store: AsyncTieredStore, kind: type[_Recording], n: int
+) -> tuple[_Recording, list[TensorHandle]]:
+    """Wrap the raw engine in ``kind``, then spill ``n`` 16 KiB tensors and wait for the disk."""
+    engine = install(store, kind)
+    handles = [await store.put(torch.randn(4 * KiB)) for _ in range(n)]
+    await _until_on_disk(store, handles)
+    return engine, handles
 
 
 async def _release_all(store: AsyncTieredStore, handles: list[TensorHandle]) -> None:
@@ -138,11 +151,9 @@ async def test_a_get_that_waits_reads_alone_not_behind_a_batch_of_prefetches(
 
 async def test_releases_free_spill_space_in_one_batch(tmp_path: Path) -> None:
     async with AsyncTieredStore(host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)) as store:
-        engine = install(store, RecordingEngine)
+        engine, handles = await _spill_on_raw(store, RecordingEngine, 200)
         inner = engine.inner
         assert isinstance(inner, RawEngine)
-        handles = [await store.put(torch.randn(4 * KiB)) for _ in range(200)]
-        await _until_on_disk(store, handles)
         free_before = inner.reusable_bytes()
         await _release_all(store, handles)
         # 200 releases in one turn: one hand-off, not a task each; every extent is free again.
@@ -186,11 +197,9 @@ async def test_a_failed_delete_is_logged_and_the_others_still_free_their_space(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with AsyncTieredStore(host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)) as store:
-        engine = install(store, FailingDeletes)
+        engine, handles = await _spill_on_raw(store, FailingDeletes, 10)
         inner = engine.inner
         assert isinstance(inner, RawEngine)
-        handles = [await store.put(torch.randn(4 * KiB)) for _ in range(10)]
-        await _until_on_disk(store, handles)
         free_before = inner.reusable_bytes()
         keys = [h.key for h in handles]
         with caplog.at_level(logging.WARNING, logger="tierstore"):

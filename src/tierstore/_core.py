@@ -144,7 +144,7 @@ class _Entry:
     def __init__(self, key: int, t: torch.Tensor, movable: bool) -> None:
         self.key = key
         # A plain tuple, not the tensor's torch.Size: the garbage collector stops tracking a
-        # tuple of ints, never a tuple subclass (see the five-objects test in test_batching).
+        # tuple of ints, never a tuple subclass (see the four-objects test in test_batching).
         self.shape = tuple(t.shape)
         self.dtype = t.dtype
         self.device = t.device
@@ -438,8 +438,7 @@ class StoreCore:
     def _run_spawns(self) -> None:
         """Start the queued work (on the loop): small disk writes and reads go in batches."""
         self._spawn_soon = False
-        while self._spawns:
-            fn, args = self._spawns.popleft()
+        for fn, args in _drain(self._spawns):
             self._start_task(fn, args)
         deletes = _drain(self._delete_queue)
         if deletes:
