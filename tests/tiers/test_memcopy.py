@@ -7,6 +7,7 @@ import errno
 import mmap
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,7 @@ def test_prefault_leaves_short_ranges_to_the_copy(monkeypatch: pytest.MonkeyPatc
         return 0
 
     monkeypatch.setattr(_memcopy, "_madvise", spy)
+    monkeypatch.setattr(_memcopy, "_kernel_knows", True)
     assert not prefault(PAGE, PREFAULT_MIN_BYTES - 1)
     assert calls == []
     assert prefault(PAGE + 1, PREFAULT_MIN_BYTES)
@@ -95,10 +97,38 @@ def test_a_kernel_without_populate_write_turns_prefaulting_off_for_good(
         return -1
 
     monkeypatch.setattr(_memcopy, "_madvise", old_kernel)
+    monkeypatch.setattr(_memcopy, "_kernel_knows", None)
     assert not prefault(PAGE, 64 << 10)
     assert not prefault(PAGE, 64 << 10)
-    assert calls == 1
-    assert _memcopy._madvise is None
+    assert calls == 1  # the probe; nothing after it
+    assert _memcopy._kernel_knows is False
+
+
+@linux_only
+def test_a_mapping_that_refuses_leaves_prefaulting_on_for_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A read-only mapping answers MADV_POPULATE_WRITE with EINVAL, as a kernel without the
+    # flag does; so may a driver's pinned host memory (VM_IO | VM_PFNMAP). Neither may switch
+    # prefaulting off for the plain memory of every later read.
+    if not _populate_supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    monkeypatch.setattr(_memcopy, "_kernel_knows", None)
+    ro = mmap.mmap(-1, 16 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ)
+    view = np.frombuffer(ro, dtype=np.uint8)
+    try:
+        assert not prefault(view.ctypes.data, 16 * PAGE)
+        assert ctypes.get_errno() == errno.EINVAL
+    finally:
+        del view
+        ro.close()
+    m, t = _fresh_pages(16)
+    try:
+        assert prefault(t.data_ptr(), 16 * PAGE)
+        assert _resident(t.data_ptr(), 16) == [True] * 16
+    finally:
+        del t
+        m.close()
 
 
 def test_a_passing_failure_keeps_prefaulting_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,5 +138,6 @@ def test_a_passing_failure_keeps_prefaulting_on(monkeypatch: pytest.MonkeyPatch)
         return -1
 
     monkeypatch.setattr(_memcopy, "_madvise", enomem)
+    monkeypatch.setattr(_memcopy, "_kernel_knows", True)
     assert not prefault(PAGE, 64 << 10)
-    assert _memcopy._madvise is enomem
+    assert _memcopy._kernel_knows is True

@@ -82,6 +82,24 @@ def _load_madvise(dll: type[ctypes.CDLL]) -> Callable[[int, int, int], int] | No
 
 
 _madvise = _load_madvise(ctypes.CDLL)
+_kernel_knows: bool | None = None
+"""Whether this kernel knows ``MADV_POPULATE_WRITE``: probed once, on memory of our own."""
+
+
+def _probe(fn: Callable[[int, int, int], int]) -> bool:
+    # EINVAL means either "unknown advice" (a kernel before 5.14) or "this mapping refuses"
+    # (read-only, VM_IO or VM_PFNMAP mappings, such as a driver's pinned host memory). Only a
+    # probe on a plain writable page of our own tells the two apart.
+    buf = ctypes.create_string_buffer(2 * _PAGE)
+    page = -(-ctypes.addressof(buf) // _PAGE) * _PAGE
+    if fn(page, _PAGE, _MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    log.debug(
+        "tierstore: madvise(MADV_POPULATE_WRITE) unsupported (%s); not prefaulting",
+        errno.errorcode.get(err, err),
+    )
+    return False
 
 
 def prefault(dst: int, nbytes: int) -> bool:
@@ -90,22 +108,19 @@ def prefault(dst: int, nbytes: int) -> bool:
     See Note: [Prefaulting a read's destination]. Unlike a short copy, the call releases the
     GIL: it is the part that faults, and keeping the GIL through it measured no faster.
     Returns whether the kernel populated the range; ``False`` for ranges under
-    :data:`PREFAULT_MIN_BYTES`, off Linux, and for good once the kernel turns out not to know
-    ``MADV_POPULATE_WRITE`` (before 5.14), after which the copy simply faults as before.
+    :data:`PREFAULT_MIN_BYTES`, off Linux, for a mapping that refuses (read-only, or a
+    driver's pinned memory, which is resident anyway), and for good when the kernel does not
+    know ``MADV_POPULATE_WRITE`` (before 5.14). Whenever it returns ``False`` the copy simply
+    faults as it would have.
     """
-    global _madvise
+    global _kernel_knows
     fn = _madvise
     if fn is None or nbytes < PREFAULT_MIN_BYTES:
         return False
+    if _kernel_knows is None:
+        _kernel_knows = _probe(fn)
+    if not _kernel_knows:
+        return False
     lo = dst - dst % _PAGE
     hi = -(-(dst + nbytes) // _PAGE) * _PAGE
-    if fn(lo, hi - lo, _MADV_POPULATE_WRITE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
-        log.debug(
-            "tierstore: madvise(MADV_POPULATE_WRITE) unsupported (%s); not prefaulting",
-            errno.errorcode.get(err, err),
-        )
-        _madvise = None
-    return False
+    return fn(lo, hi - lo, _MADV_POPULATE_WRITE) == 0
