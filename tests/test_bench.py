@@ -113,3 +113,25 @@ def test_the_steady_round_spills_into_the_extents_the_first_round_freed(tmp_path
             _drained(store)
             _store_round(store, tensors, "again")
             assert spill.stat().st_size == grown
+
+
+def test_every_path_starts_with_the_free_heap_handed_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No path reads into memory an earlier one left in glibc's heap (Note: [Every path reads
+    into new memory])."""
+    from tierstore.bench import __main__ as bench
+    from tierstore.bench._paths import PATHS
+
+    events: list[str] = []
+    monkeypatch.setattr(bench, "trim_now", lambda: events.append("trim") or True)
+    for name in ("os", "raw-engine"):
+        path = PATHS[name]
+        monkeypatch.setitem(
+            PATHS,
+            name,
+            lambda ctx, ts, _name=name, _path=path: events.append(_name) or _path(ctx, ts),
+        )
+    argv = ["--sizes", "64KiB", "--total", "256KiB", "--repeats", "2", "--engines", "os,raw-engine"]
+    assert bench.main([*argv, "--dir", str(tmp_path), "--no-progress"]) == 0
+    assert events == ["trim", "os", "trim", "raw-engine"] * 2

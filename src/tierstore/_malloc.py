@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
-__all__ = ["trim_soon"]
+__all__ = ["trim_now", "trim_soon"]
 
 _INTERVAL_SECONDS = 0.02
 
@@ -49,3 +49,13 @@ def trim_soon() -> None:
         return
     _last = now
     _trim(0)
+
+
+def trim_now() -> bool:
+    """Return free heap memory to the OS now; ``False`` where there is no ``malloc_trim``."""
+    global _last
+    if _trim is None:
+        return False
+    _last = time.monotonic()
+    _trim(0)
+    return True
