@@ -14,41 +14,24 @@ Note: [Returning host memory]
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import sys
 import time
 from collections.abc import Callable
+
+from tierstore._libc import libc_function
 
 __all__ = ["trim_now", "trim_soon"]
 
 _INTERVAL_SECONDS = 0.02
 
 
-def _load_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
-
-
-_trim = _load_trim()
+_trim: Callable[[int], int] | None = libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 _last = 0.0
 
 
 def trim_soon() -> None:
     """Return free heap memory to the OS, at most every 20 ms (any thread)."""
-    global _last
-    now = time.monotonic()
-    if _trim is None or now - _last < _INTERVAL_SECONDS:
-        return
-    _last = now
-    _trim(0)
+    if time.monotonic() - _last >= _INTERVAL_SECONDS:
+        trim_now()
 
 
 def trim_now() -> bool:

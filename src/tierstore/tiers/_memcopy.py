@@ -20,9 +20,9 @@ import ctypes
 import errno
 import logging
 import mmap
-import sys
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
+from tierstore._libc import libc_function
 from tierstore.tiers._checksum import SHORT_CALL_BYTES
 
 if TYPE_CHECKING:
@@ -69,19 +69,9 @@ PREFAULT_MIN_BYTES = 16 << 10
 """Below four pages, a system call costs more than the faults it saves."""
 
 
-def _load_madvise(dll: type[ctypes.CDLL]) -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = dll(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return cast("Callable[[int, int, int], int]", fn)
-
-
-_madvise = _load_madvise(ctypes.CDLL)
+_madvise: Callable[[int, int, int], int] | None = libc_function(
+    "madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+)
 _kernel_knows: bool | None = None
 """Whether this kernel knows ``MADV_POPULATE_WRITE``: probed once, on memory of our own."""
 

@@ -42,7 +42,6 @@ import asyncio
 import bisect
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import logging
 import mmap
@@ -54,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tierstore._libc import libc_function
 from tierstore.errors import ConfigError, CorruptTensorError
 from tierstore.tiers._checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
 from tierstore.tiers._checksum import crc32c
@@ -316,11 +316,9 @@ class _BounceBuffer:
             self._map.close()
 
 
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_SYNC_FILE_RANGE = getattr(_LIBC, "sync_file_range", None)
-if _SYNC_FILE_RANGE is not None:
-    _SYNC_FILE_RANGE.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    _SYNC_FILE_RANGE.restype = ctypes.c_int
+_SYNC_FILE_RANGE = libc_function(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+)
 # SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER
 _SYNC_WAIT_WRITE_WAIT = 1 | 2 | 4
 
