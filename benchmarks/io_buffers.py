@@ -2,12 +2,12 @@
 
 Run: PYTHONPATH=src python benchmarks/io_buffers.py --dir /var/tmp
 
-One file of ``--size`` bytes is written and read with ``os.pwrite``/``os.preadv`` in chunks of
-``--chunk`` on ``--threads`` threads (the raw engine's defaults), from and into four kinds of
-memory, the kinds alternating from repeat to repeat:
+One file of ``--size`` bytes is written and read in chunks of ``--chunk`` on ``--threads``
+threads (the raw engine's defaults), with the raw engine's ``os.pwrite``/``os.preadv`` loops,
+from and into four kinds of memory, the kinds alternating from repeat to repeat:
 
 - ``huge``: an anonymous mapping with ``MADV_HUGEPAGE``, touched once before timing, as the
-  raw engine's read pool is;
+  store's read pool (``HostPool``) maps its buffers;
 - ``4k-one-thread``: 4 KiB pages, touched once by one thread before timing;
 - ``4k-io-threads``: 4 KiB pages, first touched by the I/O threads' reads in an untimed
   pass, as memory arrives that a transfer faults in;
@@ -37,7 +37,7 @@ from pathlib import Path
 from tierstore.config import parse_size
 from tierstore.tiers._checksum import crc32c
 from tierstore.tiers._memcopy import memmove
-from tierstore.tiers._raw import probe_direct_io
+from tierstore.tiers._raw import _pread_all, _pwrite_all, probe_direct_io
 
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _TORCH_OFFSET = 64
@@ -68,7 +68,7 @@ def _address(m: mmap.mmap) -> int:
 
 class _Bench:
     def __init__(self, path: Path, size: int, chunk: int, threads: int, direct: bool) -> None:
-        self.size, self.chunk = size, chunk
+        self.path, self.size, self.chunk = path, size, chunk
         flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
         self.fd = os.open(path, flags, 0o600)
         os.posix_fallocate(self.fd, 0, size)
@@ -81,10 +81,10 @@ class _Bench:
         }
         self.source = _map(size + mmap.PAGESIZE, huge=False, touch=True)
         _fill(self.source, _TORCH_OFFSET, size)
-        self.bounce: queue.SimpleQueue[tuple[mmap.mmap, int]] = queue.SimpleQueue()
+        self.bounce: queue.SimpleQueue[tuple[memoryview, int]] = queue.SimpleQueue()
         for _ in range(threads):
             b = _map(chunk, huge=False, touch=True)
-            self.bounce.put((b, _address(b)))
+            self.bounce.put((memoryview(b), _address(b)))
         self._each(self._reader(self.maps["4k-io-threads"]))  # its first touch, untimed
 
     def _each(self, fn: Callable[[int], None]) -> float:
@@ -96,7 +96,7 @@ class _Bench:
         view = memoryview(m)
 
         def write(offset: int) -> None:
-            os.pwrite(self.fd, view[offset : offset + self.chunk], offset)
+            _pwrite_all(self.fd, view[offset : offset + self.chunk], offset)
 
         return write
 
@@ -104,7 +104,7 @@ class _Bench:
         view = memoryview(m)
 
         def read(offset: int) -> None:
-            os.preadv(self.fd, [view[offset : offset + self.chunk]], offset)
+            _pread_all(self.fd, view[offset : offset + self.chunk], offset, self.path)
 
         return read
 
@@ -116,7 +116,7 @@ class _Bench:
             try:
                 memmove(address, source + offset, self.chunk)
                 crc32c(address, self.chunk)
-                os.pwrite(self.fd, buf, offset)
+                _pwrite_all(self.fd, buf, offset)
             finally:
                 self.bounce.put((buf, address))
 
