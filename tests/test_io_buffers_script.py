@@ -37,6 +37,7 @@ def test_every_memory_kind_is_measured_and_the_bytes_come_back(tmp_path: Path) -
         ("write", "4k-one-thread"),
         ("write", "4k-io-threads"),
         ("write", "bounce"),
+        ("write", "lead"),
         ("read", "huge"),
         ("read", "4k-one-thread"),
         ("read", "4k-io-threads"),

@@ -187,6 +187,29 @@ def test_spilled_bytes_are_really_in_the_spill_directory(make_store: MakeStore) 
     assert oct(Path(spill).stat().st_mode & 0o777) == "0o700"
 
 
+def test_a_big_cpu_tensor_comes_back_at_its_place_in_a_page(make_store: MakeStore) -> None:
+    # Note: [A tensor's lead] in _raw.py: written straight from the tensor's pages, read
+    # straight into a pooled buffer spanning the same pages, handed back as a view at the lead.
+    store = make_store(device_bytes=0, host_bytes=0)
+    t = _random((3 * MiB // 4 + 5,), torch.float32, seed=4)
+    lead = t.data_ptr() % 4096
+    h = store.put(t)
+    wait_for(lambda: store.tier_of(h) is Tier.DISK)
+    out = store.get(h)
+    assert _same_bits(out, t)
+    direct = getattr(store._core._engine, "_leads", False)
+    assert out.data_ptr() % 4096 == (lead if direct and lead % 64 == 0 else 0)
+    out2 = out.clone()
+    del out
+    gc.collect()
+    # The pooled buffer is reused for the next read of the same span, lead and all.
+    reused = store._core._read_pool.reused
+    h2 = store.put(out2)
+    wait_for(lambda: store.tier_of(h2) is Tier.DISK)
+    assert _same_bits(store.get(h2), t)
+    assert store._core._read_pool.reused == reused + 1
+
+
 def test_tier_full_raises_and_drops_nothing(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=2 * MiB, disk_bytes=0)
     a = store.put(torch.ones(MiB // 4))

@@ -927,17 +927,20 @@ class StoreCore:
         if not live:
             return
         disk = [e for e in live if e.disk]
-        bufs = [self._read_buffer(e) for e in disk]
+        windows = [self._read_buffer(e) for e in disk]
         t0 = time.perf_counter()
         read_errors: list[BaseException | None] = []
         if disk:
             assert self._engine is not None
             read_errors = await self._engine.read_many(
-                [(e.key, buf) for e, buf in zip(disk, bufs, strict=True)]
+                [(e.key, buf) for e, (buf, _) in zip(disk, windows, strict=True)]
             )
         t1 = time.perf_counter()
         read_error = {e.key: err for e, err in zip(disk, read_errors, strict=True)}
-        buffers = {e.key: buf for e, buf in zip(disk, bufs, strict=True)}
+        buffers = {
+            e.key: buf.narrow(0, lead, e.nbytes)
+            for e, (buf, lead) in zip(disk, windows, strict=True)
+        }
         results: list[tuple[_Entry, torch.Tensor | Exception]] = []
         for e in live:
             err = read_error.get(e.key)
@@ -983,13 +986,20 @@ class StoreCore:
             if not fut.done():
                 fut.set_result(out)
 
-    def _read_buffer(self, e: _Entry) -> torch.Tensor:
-        """Where a disk read of ``e`` lands: pooled for big CPU tensors, pinned for CUDA ones."""
+    def _read_buffer(self, e: _Entry) -> tuple[torch.Tensor, int]:
+        """Where a disk read of ``e`` lands, and at which offset: pooled for big CPU tensors,
+        pinned for CUDA ones.
+
+        The pooled buffer spans the pages the engine's layout asks for (``read_window``), so
+        the read goes straight into it; the tensor handed back is a view at the lead.
+        """
+        assert self._engine is not None
         if e.device.type == "cpu" and e.nbytes >= _POOLED_READ_BYTES:
-            return self._read_pool.take(e.nbytes)
+            lead, span = self._engine.read_window(e.key, e.nbytes)
+            return self._read_pool.take(span), lead
         if e.device.type == "cpu":
-            return torch.empty(e.nbytes, dtype=torch.uint8)
-        return host_buffer(e.nbytes, pinned=True)
+            return torch.empty(e.nbytes, dtype=torch.uint8), 0
+        return host_buffer(e.nbytes, pinned=True), 0
 
     def _fetch_failed(self, e: _Entry, fut: cf.Future[torch.Tensor] | None, exc: Exception) -> None:
         """Record a failed fetch: FAILED if the copy is corrupt, else back to its home tier.

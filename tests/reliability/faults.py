@@ -112,6 +112,9 @@ class FaultyEngine(DiskEngine):
     def reusable_bytes(self) -> int:
         return self.inner.reusable_bytes()
 
+    def read_window(self, key: int, nbytes: int) -> tuple[int, int]:
+        return self.inner.read_window(key, nbytes)
+
     async def write(self, key: int, src: torch.Tensor, **kwargs: Any) -> None:
         if self.write_gate is not None:
             while not self.write_gate.is_set():

@@ -38,6 +38,19 @@ def random_bytes(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
+def random_bytes_at(n: int, lead: int, seed: int = 0) -> torch.Tensor:
+    """``random_bytes`` starting ``lead`` bytes past a page, whatever malloc returned.
+
+    Where a big blob starts in its page decides the raw engine's layout (Note: [A tensor's
+    lead]); tests that check offsets or sizes fix it.
+    """
+    buf = torch.empty(n + 2 * 4096, dtype=torch.uint8)
+    at = (lead - buf.data_ptr()) % 4096
+    out = buf[at : at + n]
+    out.copy_(random_bytes(n, seed))
+    return out
+
+
 def make_dirs(tmp_path: Path, n: int) -> tuple[Path, ...]:
     dirs = []
     for i in range(n):

@@ -20,7 +20,14 @@ from tierstore.errors import ConfigError, CorruptTensorError
 from tierstore.tiers import _raw, open_engine
 from tierstore.tiers._raw import PAGE, RawEngine, probe_direct_io
 
-from .engine_conformance import CHUNK, EngineConformance, MiB, make_dirs, random_bytes
+from .engine_conformance import (
+    CHUNK,
+    EngineConformance,
+    MiB,
+    make_dirs,
+    random_bytes,
+    random_bytes_at,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -40,21 +47,21 @@ class TestRawConformance(EngineConformance):
         parts = []
         for c in _blob(engine, key).chunks:
             with open(c.file.path, "rb") as f:
-                f.seek(c.offset)
+                f.seek(c.offset + c.lead)
                 parts.append(f.read(c.length))
         return b"".join(parts)
 
     def damage_byte(self, engine: DiskEngine, key: int) -> None:
         c = _blob(engine, key).chunks[-1]
         with open(c.file.path, "r+b") as f:
-            f.seek(c.offset + c.length // 2)
+            f.seek(c.offset + c.lead + c.length // 2)
             byte = f.read(1)
-            f.seek(c.offset + c.length // 2)
+            f.seek(c.offset + c.lead + c.length // 2)
             f.write(bytes([byte[0] ^ 0x01]))
 
     def truncate(self, engine: DiskEngine, key: int) -> None:
         c = _blob(engine, key).chunks[-1]
-        os.truncate(c.file.path, c.offset + c.length // 2)
+        os.truncate(c.file.path, c.offset + c.lead + c.length // 2)
 
     def dirs_holding(self, engine: DiskEngine, key: int) -> set[Path]:
         return {c.file.path.parent for c in _blob(engine, key).chunks}
@@ -109,11 +116,11 @@ async def test_true_size_and_padded_size_are_kept_apart(engine: RawEngine) -> No
 
 
 async def test_freed_extent_is_reused_at_the_same_offset(engine: RawEngine) -> None:
-    await engine.write(1, random_bytes(3 * CHUNK))
+    await engine.write(1, random_bytes_at(3 * CHUNK, lead=64))
     first = [c.offset for c in engine._blobs[1].chunks]
     size = os.path.getsize(engine._files[0].path)
     await engine.delete(1)
-    await engine.write(2, random_bytes(3 * CHUNK, seed=3))
+    await engine.write(2, random_bytes_at(3 * CHUNK, lead=64, seed=3))
     assert [c.offset for c in engine._blobs[2].chunks] == first
     assert os.path.getsize(engine._files[0].path) == size
 
@@ -130,7 +137,7 @@ async def test_one_tensor_is_striped_chunk_by_chunk(tmp_path: Path, config: Stor
         assert dirs[0] != dirs[1]
         for c in chunks:  # each chunk's bytes really are in that directory's file
             with open(c.file.path, "rb") as f:
-                f.seek(c.offset)
+                f.seek(c.offset + c.lead)
                 assert f.read(c.length) == src[c.start : c.start + c.length].numpy().tobytes()
     finally:
         await engine.close()
@@ -182,7 +189,7 @@ async def test_enospc_surfaces_from_write_and_loses_nothing(
     size_before = engine._files[0].extents.size
     big = 3 * CHUNK + PAGE + 1  # needs 3 chunks and 2 pages: more than is free, less than a step
     with pytest.raises(OSError) as info:
-        await engine.write(2, random_bytes(big))
+        await engine.write(2, random_bytes_at(big, lead=64))
     assert info.value.errno == errno.ENOSPC
     assert calls == [4 * CHUNK, 3 * CHUNK + 2 * PAGE]  # the growth step, then just what it needs
     assert 2 not in engine._blobs
@@ -191,7 +198,7 @@ async def test_enospc_surfaces_from_write_and_loses_nothing(
     await engine.read(1, out)
     assert torch.equal(out, kept)
     monkeypatch.setattr(os, "posix_fallocate", real_fallocate)
-    await engine.write(2, random_bytes(big))
+    await engine.write(2, random_bytes_at(big, lead=64))
     assert engine._files[0].extents.size == 8 * CHUNK
 
 
@@ -245,7 +252,7 @@ async def test_checksum_none_skips_verification(tmp_path: Path, config: StoreCon
         await engine.write(1, src)
         c = engine._blobs[1].chunks[0]
         with open(c.file.path, "r+b") as f:
-            f.seek(c.offset)
+            f.seek(c.offset + c.lead)
             f.write(bytes([src[0].item() ^ 0xFF]))
         out = torch.empty_like(src)
         await engine.read(1, out)  # no checksum, so the damage comes back undetected

@@ -51,7 +51,9 @@ class DiskEngine(abc.ABC):
           ENOSPC from EIO).
         * ``read(key, out)``: fill ``out`` (1-D contiguous ``uint8`` CPU, exactly the written
           size) with the bytes. Raises ``CorruptTensorError`` when a checksum or size does not
-          match, never returning wrong bytes silently.
+          match, never returning wrong bytes silently. ``out`` may instead be a page-aligned
+          buffer of the span ``read_window(key, nbytes)`` gives; the bytes then land at its
+          lead and the rest of ``out`` is the engine's scratch.
         * ``delete(key)``: free the key's space. Never called while a read or write of the same
           key is in flight.
         * ``write_many(requests)`` / ``read_many(requests)``: several writes or reads at once,
@@ -98,6 +100,16 @@ class DiskEngine(abc.ABC):
         engine that keeps a self-describing format (zarr) records them, the raw engine ignores
         them. They never change the bytes ``read`` returns.
         """
+
+    def read_window(self, key: int, nbytes: int) -> tuple[int, int]:
+        """``(lead, span)``: a read of ``key`` (``nbytes`` long) into a page-aligned ``out`` of
+        ``span`` bytes puts the bytes at ``out[lead : lead + nbytes]``.
+
+        An engine that reads straight into the caller's pages asks for the pages its layout
+        needs (the raw engine: Note: [A tensor's lead]). The default, ``(0, nbytes)``, is the
+        plain read.
+        """
+        return 0, nbytes
 
     @abc.abstractmethod
     async def read(self, key: int, out: torch.Tensor) -> None:

@@ -10,17 +10,38 @@ memory (the files die with the process, so nothing on disk needs to describe its
 
 Note: [True size and padded size]
     O_DIRECT moves whole pages from page-aligned memory, so a chunk of ``length`` bytes
-    occupies ``_pad(length)`` bytes on disk. The blob record keeps the true length of every
-    chunk; only the extent allocator sees the padded size, the checksum covers exactly the
-    true bytes, and a read copies exactly the true bytes out of the bounce buffer. The padding
-    is written as zeros so no stale data of an earlier blob lingers in it.
+    occupies ``_pad(lead + length)`` bytes on disk (``lead``: Note: [A tensor's lead]). The
+    blob record keeps the true length of every chunk; only the extent allocator sees the
+    padded size, the checksum covers exactly the true bytes, and a read hands back exactly the
+    true bytes. Padding written through a bounce buffer is zeros; padding written straight
+    from a tensor's pages is whatever shared those pages with it (below). Neither is ever
+    returned as data.
+
+Note: [A tensor's lead]
+    torch CPU tensors are 64-byte aligned, usually 64 bytes past a page, and this disk's
+    O_DIRECT takes only memory aligned to 512 bytes. Copying every chunk into an aligned
+    buffer first cost 14-30% of the write speed on the development machine (docs/
+    benchmarks.md). So a big blob whose address is ``lead`` bytes past a page (a multiple of
+    64) is laid out on disk as the pages its memory spans: its first chunk starts ``lead``
+    bytes into its extent, every chunk boundary falls on a page of the tensor's memory, and
+    each chunk is written straight from those pages, including the bytes before the tensor
+    in its first page and after it in its last. Those bytes are read, never written, and
+    every page touched holds some of the tensor, so it is mapped for as long as the caller
+    keeps the tensor alive. The spill file is private to the process (0600 in a 0700
+    directory) and removed when the engine closes.
+
+    A read writes whole pages too. ``read_window`` tells the caller the lead and the page
+    span; a caller that passes a page-aligned buffer of the whole span (the store's read
+    pool) gets every chunk read straight into it and the bytes at ``lead``. A caller that
+    passes exactly the blob's size gets exactly those bytes written: chunks whose pages lie
+    inside ``out`` go straight in, the others through a bounce buffer.
 
 Note: [Bounce buffers]
-    torch CPU tensors are only 64-byte aligned. With O_DIRECT a chunk whose memory or length
-    is not page-aligned goes through one of ``io_threads`` page-aligned bounce buffers (mmap),
-    allocated once when the engine opens; aligned chunks (tensors from a page-aligned pool) go
-    straight from and to the tensor. Copies and checksums run through ``ctypes`` calls, which
-    release the GIL, so the I/O threads work in parallel.
+    A chunk that cannot move straight between the file and the caller's memory (an address
+    that is not 64 bytes past a page, or a read whose pages reach outside ``out``) goes
+    through one of ``io_threads`` page-aligned bounce buffers (mmap), allocated once when the
+    engine opens. Copies and checksums run through ``ctypes`` calls, which release the GIL,
+    so the I/O threads work in parallel.
 
 Note: [Small blobs travel in packs]
     A request for a 64 KiB blob costs about as much Python, GIL hand-off and kernel time as
@@ -88,6 +109,10 @@ _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _PACK_MAX = 1 << 20
 # Blobs up to this size travel in packs (Note: [Small blobs travel in packs]); bigger ones are
 # cut into chunks that already keep the threads busy.
+_LEAD_ALIGN = 64
+# A blob is written straight from its pages only when its address is a multiple of this past
+# a page (Note: [A tensor's lead]): its read-back copy then lands at the same place in a page,
+# so it is never less aligned than torch's own CPU allocations.
 _READ_GAP = 256 << 10
 # Two small blobs whose extents are at most this far apart are read with one request: reading
 # a gap this size costs less than a second request.
@@ -95,6 +120,11 @@ _READ_GAP = 256 << 10
 
 def _pad(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
+
+
+def _memory(address: int, nbytes: int) -> memoryview:
+    """A view of ``nbytes`` of memory at ``address``; the caller keeps the memory alive."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,9 +284,11 @@ class _Chunk:
     offset: int
     """Page-aligned offset in that file."""
     start: int
-    """Offset of the chunk in the blob."""
+    """Offset of the chunk's first byte in the blob."""
     length: int
-    """True length in bytes; the chunk occupies ``_pad(length)`` on disk."""
+    """True length in bytes; the chunk occupies ``_pad(lead + length)`` on disk."""
+    lead: int = 0
+    """Bytes before the chunk's data in its extent (the blob's lead, first chunk only)."""
 
 
 @dataclass(slots=True)
@@ -267,6 +299,8 @@ class _Blob:
     extents: list[tuple[_SpillFile, int, int]]
     chunks: list[_Chunk]
     crcs: list[int]
+    lead: int = 0
+    """Bytes of the first page before the data (Note: [A tensor's lead])."""
 
 
 class _Packed:
@@ -405,6 +439,8 @@ class RawEngine(DiskEngine):
             raise
         self._chunk = config.io_chunk_bytes
         self._checksum = config.checksum == "crc32c"
+        # Buffered I/O takes any address; only O_DIRECT needs the pages (Note: [A tensor's lead]).
+        self._leads = all(f.direct for f in self._files)
         self._blobs: dict[int, _Blob | _Packed] = {}
         self._next_dir = 0
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io")
@@ -438,9 +474,25 @@ class RawEngine(DiskEngine):
     # -- public contract -------------------------------------------------------------------
 
     def footprint(self, nbytes: int) -> int:
-        """Bytes of disk a blob of ``nbytes`` occupies: every chunk padded to whole pages."""
-        full, tail = divmod(nbytes, self._chunk)
-        return full * self._chunk + _pad(tail)
+        """Bytes of disk a blob of ``nbytes`` may occupy: its pages, padded to whole pages.
+
+        A big blob written straight from a tensor 64 bytes past a page spans one page more
+        than its size (Note: [A tensor's lead]); the figure allows for it.
+        """
+        lead = PAGE if self._leads and nbytes > self._pack_max else 0
+        return _pad(nbytes) + lead
+
+    def read_window(self, key: int, nbytes: int) -> tuple[int, int]:
+        """``(lead, span)``: pass :meth:`read` a page-aligned ``out`` of ``span`` bytes to read
+        ``key`` without a copy; its bytes then sit at ``out[lead : lead + nbytes]``.
+
+        See Note: [A tensor's lead]. A key this engine does not hold, a small blob, or any blob
+        where I/O is buffered (it takes any address) gives ``(0, nbytes)``: the plain read.
+        """
+        blob = self._blobs.get(key)
+        if self._leads and isinstance(blob, _Blob) and blob.size == nbytes:
+            return blob.lead, _pad(blob.lead + blob.size)
+        return 0, nbytes
 
     def reusable_bytes(self) -> int:
         """Free extents inside the spill files (space of deleted blobs, growth not yet used)."""
@@ -464,7 +516,8 @@ class RawEngine(DiskEngine):
             if outcome is not None:
                 raise outcome
             return
-        blob = await self._place(src.numel())
+        lead = src.data_ptr() % PAGE if self._leads else 0
+        blob = await self._place(src.numel(), lead if lead % _LEAD_ALIGN == 0 else 0)
         try:
             view = _byte_view(src)
             await self._run(self._write_chunk, blob, view, src.data_ptr())
@@ -476,6 +529,9 @@ class RawEngine(DiskEngine):
     async def read(self, key: int, out: torch.Tensor) -> None:
         """Fill ``out`` with the bytes of ``key``; see :class:`DiskEngine`.
 
+        ``out`` holds exactly the blob's size, or the whole span :meth:`read_window` gives, in
+        which case the bytes land at its lead and the rest of ``out`` is scratch.
+
         Raises:
             KeyError: nothing is stored under ``key``.
             CorruptTensorError: ``out`` has the wrong size, a checksum does not match, or the
@@ -484,7 +540,7 @@ class RawEngine(DiskEngine):
         self._check_open()
         blob = self._blobs[key]
         _check_bytes(out, "out")
-        if out.numel() != blob.size:
+        if out.numel() != blob.size and out.numel() != self.read_window(key, blob.size)[1]:
             raise CorruptTensorError(
                 f"key {key}: {blob.size} bytes were spilled but {out.numel()} were asked for"
             )
@@ -602,21 +658,31 @@ class RawEngine(DiskEngine):
 
     # -- placement -------------------------------------------------------------------------
 
-    async def _place(self, size: int) -> _Blob:
-        """Cut a blob into chunks, stripe them, and allocate one extent per directory used."""
+    async def _place(self, size: int, lead: int) -> _Blob:
+        """Cut a blob into chunks, stripe them, and allocate one extent per directory used.
+
+        The chunks cut the blob's page span (``lead`` bytes before it, Note: [A tensor's
+        lead]) every ``io_chunk_bytes``, so each chunk's memory starts on a page.
+        """
         n_dirs = len(self._files)
-        lengths = [min(self._chunk, size - s) for s in range(0, size, self._chunk)]
+        lead = lead if size else 0
+        span = lead + size
+        # (start in the blob, true length, lead) of each chunk
+        cuts = [
+            (max(s - lead, 0), min(s + self._chunk, span) - max(s, lead), lead if s == 0 else 0)
+            for s in range(0, span, self._chunk)
+        ]
         first = self._next_dir
-        self._next_dir = (first + len(lengths)) % n_dirs
+        self._next_dir = (first + len(cuts)) % n_dirs
         per_dir: dict[int, list[int]] = {}
-        for i in range(len(lengths)):
+        for i in range(len(cuts)):
             per_dir.setdefault((first + i) % n_dirs, []).append(i)
-        blob = _Blob(size, [], [], [0] * len(lengths))
+        blob = _Blob(size, [], [], [0] * len(cuts), lead)
         offsets: dict[int, int] = {}
         try:
             for d, indices in per_dir.items():
                 f = self._files[d]
-                need = sum(_pad(lengths[i]) for i in indices)
+                need = sum(_pad(cuts[i][1] + cuts[i][2]) for i in indices)
                 offset = f.extents.alloc(need)
                 while offset is None:
                     # See Note: [One growth for many waiting writers].
@@ -625,13 +691,13 @@ class RawEngine(DiskEngine):
                 at = offset
                 for i in indices:
                     offsets[i] = at
-                    at += _pad(lengths[i])
+                    at += _pad(cuts[i][1] + cuts[i][2])
         except BaseException:
             self._free(blob)
             raise
         blob.chunks = [
-            _Chunk(self._files[(first + i) % n_dirs], offsets[i], i * self._chunk, length)
-            for i, length in enumerate(lengths)
+            _Chunk(self._files[(first + i) % n_dirs], offsets[i], start, length, chunk_lead)
+            for i, (start, length, chunk_lead) in enumerate(cuts)
         ]
         return blob
 
@@ -857,41 +923,54 @@ class RawEngine(DiskEngine):
     def _write_chunk(self, blob: _Blob, i: int, view: memoryview, address: int) -> None:
         c = blob.chunks[i]
         src = address + c.start
-        if not c.file.direct or (src % PAGE == 0 and c.length % PAGE == 0):
+        padded = _pad(c.lead + c.length)
+        if not c.file.direct:
             if self._checksum:
                 blob.crcs[i] = crc32c(src, c.length)
-            _pwrite_all(c.file.fd, view[c.start : c.start + c.length], c.offset)
-            if not c.file.direct:
-                # The whole padded extent: DONTNEED keeps partly covered pages.
-                _drop_cached(c.file.fd, c.offset, _pad(c.length), dirty=True)
+            _pwrite_all(c.file.fd, view[c.start : c.start + c.length], c.offset + c.lead)
+            # The whole padded extent: DONTNEED keeps partly covered pages.
+            _drop_cached(c.file.fd, c.offset, padded, dirty=True)
+            return
+        if (src - c.lead) % PAGE == 0:
+            # Straight from the tensor's pages, neighbours included (Note: [A tensor's lead]).
+            if self._checksum:
+                blob.crcs[i] = crc32c(src, c.length)
+            _pwrite_all(c.file.fd, _memory(src - c.lead, padded), c.offset)
             return
         # See Note: [Bounce buffers] and Note: [True size and padded size].
         buf = self._bounce.get()
         try:
-            padded = _pad(c.length)
-            memmove(buf.address, src, c.length)
-            memset(buf.address + c.length, 0, padded - c.length)
+            memset(buf.address, 0, c.lead)
+            memmove(buf.address + c.lead, src, c.length)
+            memset(buf.address + c.lead + c.length, 0, padded - c.lead - c.length)
             if self._checksum:
-                blob.crcs[i] = crc32c(buf.address, c.length)
+                blob.crcs[i] = crc32c(buf.address + c.lead, c.length)
             _pwrite_all(c.file.fd, buf.view[:padded], c.offset)
         finally:
             self._bounce.put(buf)
 
     def _read_chunk(self, blob: _Blob, i: int, view: memoryview, address: int) -> None:
         c = blob.chunks[i]
-        dst = address + c.start
-        if not c.file.direct or (dst % PAGE == 0 and c.length % PAGE == 0):
-            _pread_all(c.file.fd, view[c.start : c.start + c.length], c.offset, c.file.path)
-            if not c.file.direct:
-                _drop_cached(c.file.fd, c.offset, _pad(c.length), dirty=False)
+        # ``view`` is ``out``: the blob's size, or its whole page span (Note: [A tensor's lead]).
+        at = c.start + (blob.lead if len(view) != blob.size else 0)
+        dst = address + at
+        padded = _pad(c.lead + c.length)
+        if not c.file.direct:
+            _pread_all(c.file.fd, view[at : at + c.length], c.offset + c.lead, c.file.path)
+            _drop_cached(c.file.fd, c.offset, padded, dirty=False)
+            self._verify(blob, i, dst)
+            return
+        first = at - c.lead  # the chunk's first page, as an offset in ``out``
+        if (dst - c.lead) % PAGE == 0 and first >= 0 and first + padded <= len(view):
+            _pread_all(c.file.fd, view[first : first + padded], c.offset, c.file.path)
             self._verify(blob, i, dst)
             return
         buf = self._bounce.get()
         try:
-            _pread_all(c.file.fd, buf.view[: _pad(c.length)], c.offset, c.file.path)
-            self._verify(blob, i, buf.address)
+            _pread_all(c.file.fd, buf.view[:padded], c.offset, c.file.path)
+            self._verify(blob, i, buf.address + c.lead)
             prefault(dst, c.length)
-            memmove(dst, buf.address, c.length)
+            memmove(dst, buf.address + c.lead, c.length)
         finally:
             self._bounce.put(buf)
 
@@ -967,7 +1046,7 @@ class _ReadItem:
 def _crc_mismatch(c: _Chunk, i: int, got: int, written: int) -> CorruptTensorError:
     return CorruptTensorError(
         f"spill file {str(c.file.path)!r}: chunk {i} ({c.length} bytes at offset "
-        f"{c.offset}) has CRC32C {got:#010x}, {written:#010x} was written"
+        f"{c.offset + c.lead}) has CRC32C {got:#010x}, {written:#010x} was written"
     )
 
 
