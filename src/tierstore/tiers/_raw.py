@@ -123,7 +123,11 @@ def _pad(nbytes: int) -> int:
 
 
 def _memory(address: int, nbytes: int) -> memoryview:
-    """A view of ``nbytes`` of memory at ``address``; the caller keeps the memory alive."""
+    """A view of ``nbytes`` of memory at ``address``; the caller keeps the memory alive.
+
+    ctypes keeps one array type per length; the lengths here are whole pages up to one chunk
+    (at most 2048 of them with the default 8 MiB chunks).
+    """
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
