@@ -133,6 +133,21 @@ async def test_read_window_gives_the_lead_and_a_read_lands_there_without_a_copy(
     assert torch.equal(out[lead : lead + SIZE], src)
 
 
+async def test_a_window_that_is_not_page_aligned_still_gets_the_bytes_at_the_lead(
+    engine: RawEngine,
+) -> None:
+    # The span's size asks for the window, but the pages around the chunks are not all
+    # inside ``out``: those chunks go through the bounce buffers, and nothing outside moves.
+    src = await _write(engine, 64, seed=7)
+    lead, span = engine.read_window(1, SIZE)
+    memory = _guarded(64, span)
+    neighbours = memory.around(64, span)
+    out = memory.tensor(64, span)
+    await engine.read(1, out)
+    assert torch.equal(out[lead : lead + SIZE], src)
+    assert memory.around(64, span) == neighbours
+
+
 @pytest.mark.parametrize("offset", [0, 64, 128, 4032])
 async def test_a_read_of_exactly_the_size_writes_nothing_outside_out(
     engine: RawEngine, copies: list[int], offset: int
