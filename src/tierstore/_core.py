@@ -937,8 +937,10 @@ class StoreCore:
             )
         t1 = time.perf_counter()
         read_error = {e.key: err for e, err in zip(disk, read_errors, strict=True)}
+        # A view only where the buffer is the engine's wider window: each view is one more
+        # tensor object per read for the garbage collector (see from_bytes).
         buffers = {
-            e.key: buf.narrow(0, lead, e.nbytes)
+            e.key: buf if buf.numel() == e.nbytes else buf.narrow(0, lead, e.nbytes)
             for e, (buf, lead) in zip(disk, windows, strict=True)
         }
         results: list[tuple[_Entry, torch.Tensor | Exception]] = []

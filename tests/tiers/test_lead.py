@@ -22,6 +22,7 @@ from tierstore.tiers import _raw
 from tierstore.tiers._raw import PAGE, RawEngine
 
 from .engine_conformance import CHUNK, make_dirs, random_bytes
+from .raw_files import stored_bytes
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
@@ -94,15 +95,6 @@ async def _write(engine: RawEngine, offset: int, seed: int = 0) -> torch.Tensor:
     return src.clone()
 
 
-def _on_disk(engine: RawEngine, key: int) -> bytes:
-    parts = []
-    for c in engine._blobs[key].chunks:
-        with open(c.file.path, "rb") as f:
-            f.seek(c.offset + c.lead)
-            parts.append(f.read(c.length))
-    return b"".join(parts)
-
-
 async def test_a_tensor_64_bytes_past_a_page_is_written_from_its_own_pages(
     engine: RawEngine, copies: list[int]
 ) -> None:
@@ -110,7 +102,7 @@ async def test_a_tensor_64_bytes_past_a_page_is_written_from_its_own_pages(
     blob = engine._blobs[1]
     assert blob.lead == 64
     assert copies == []  # no bounce buffer, and the guard pages were never touched
-    assert _on_disk(engine, 1) == src.numpy().tobytes()
+    assert stored_bytes(engine, 1) == src.numpy().tobytes()
     assert [(c.start, c.length, c.lead) for c in blob.chunks] == [
         (0, CHUNK - 64, 64),
         (CHUNK - 64, CHUNK, 0),

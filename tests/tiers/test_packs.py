@@ -17,6 +17,7 @@ from tierstore.tiers import WriteRequest, _checksum, _memcopy
 from tierstore.tiers._raw import PAGE, RawEngine
 
 from .engine_conformance import KiB, MiB, make_dirs, random_bytes
+from .raw_files import stored_bytes
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -43,13 +44,6 @@ async def _read_back(engine: RawEngine, srcs: dict[int, torch.Tensor]) -> None:
         assert torch.equal(out, t), k
 
 
-def _on_disk(engine: RawEngine, key: int) -> bytes:
-    c = engine._blobs[key].chunks[0]
-    with open(c.file.path, "rb") as f:
-        f.seek(c.offset)
-        return f.read(c.length)
-
-
 async def test_writes_arriving_together_go_out_as_one_pack(engine: RawEngine) -> None:
     srcs = {k: random_bytes(5 * KiB + k, seed=k) for k in range(64)}  # 64 x 8 KiB padded
     await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
@@ -58,7 +52,7 @@ async def test_writes_arriving_together_go_out_as_one_pack(engine: RawEngine) ->
     # Each blob owns its own page-aligned piece, one after another.
     assert extents == [extents[0] + i * 2 * PAGE for i in range(64)]
     for k, t in srcs.items():
-        assert _on_disk(engine, k) == t.numpy().tobytes()
+        assert stored_bytes(engine, k) == t.numpy().tobytes()
 
 
 async def test_a_full_pack_goes_out_and_the_next_one_opens(engine: RawEngine) -> None:
@@ -191,7 +185,7 @@ async def test_buffered_packs_round_trip(tmp_path: Path, config: StoreConfig) ->
         await asyncio.gather(*(engine.read(k, outs[k]) for k in srcs))
         for k, t in srcs.items():
             assert torch.equal(outs[k], t)
-            assert _on_disk(engine, k) == t.numpy().tobytes()
+            assert stored_bytes(engine, k) == t.numpy().tobytes()
     finally:
         await engine.close()
 

@@ -28,6 +28,7 @@ from .engine_conformance import (
     random_bytes,
     random_bytes_at,
 )
+from .raw_files import stored_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -44,12 +45,8 @@ class TestRawConformance(EngineConformance):
     engine_class = RawEngine
 
     def backdoor_read(self, engine: DiskEngine, key: int) -> bytes:
-        parts = []
-        for c in _blob(engine, key).chunks:
-            with open(c.file.path, "rb") as f:
-                f.seek(c.offset + c.lead)
-                parts.append(f.read(c.length))
-        return b"".join(parts)
+        assert isinstance(engine, RawEngine)
+        return stored_bytes(engine, key)
 
     def damage_byte(self, engine: DiskEngine, key: int) -> None:
         c = _blob(engine, key).chunks[-1]

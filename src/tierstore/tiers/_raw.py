@@ -483,8 +483,8 @@ class RawEngine(DiskEngine):
         A big blob written straight from a tensor 64 bytes past a page spans one page more
         than its size (Note: [A tensor's lead]); the figure allows for it.
         """
-        lead = PAGE if self._leads and nbytes > self._pack_max else 0
-        return _pad(nbytes) + lead
+        extra = PAGE if self._leads and nbytes > self._pack_max else 0
+        return _pad(nbytes) + extra
 
     def read_window(self, key: int, nbytes: int) -> tuple[int, int]:
         """``(lead, span)``: pass :meth:`read` a page-aligned ``out`` of ``span`` bytes to read
@@ -676,6 +676,7 @@ class RawEngine(DiskEngine):
             (max(s - lead, 0), min(s + self._chunk, span) - max(s, lead), lead if s == 0 else 0)
             for s in range(0, span, self._chunk)
         ]
+        on_disk = [_pad(chunk_lead + length) for _, length, chunk_lead in cuts]
         first = self._next_dir
         self._next_dir = (first + len(cuts)) % n_dirs
         per_dir: dict[int, list[int]] = {}
@@ -686,7 +687,7 @@ class RawEngine(DiskEngine):
         try:
             for d, indices in per_dir.items():
                 f = self._files[d]
-                need = sum(_pad(cuts[i][1] + cuts[i][2]) for i in indices)
+                need = sum(on_disk[i] for i in indices)
                 offset = f.extents.alloc(need)
                 while offset is None:
                     # See Note: [One growth for many waiting writers].
@@ -695,7 +696,7 @@ class RawEngine(DiskEngine):
                 at = offset
                 for i in indices:
                     offsets[i] = at
-                    at += _pad(cuts[i][1] + cuts[i][2])
+                    at += on_disk[i]
         except BaseException:
             self._free(blob)
             raise
