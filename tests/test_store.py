@@ -189,7 +189,8 @@ def test_spilled_bytes_are_really_in_the_spill_directory(make_store: MakeStore) 
 
 def test_a_big_cpu_tensor_comes_back_at_its_place_in_a_page(make_store: MakeStore) -> None:
     # Note: [A tensor's lead] in _raw.py: written straight from the tensor's pages, read
-    # straight into a pooled buffer spanning the same pages, handed back as a view at the lead.
+    # straight into a pooled buffer spanning the same pages, handed back as a tensor whose
+    # storage is exactly its bytes at the lead (Note: [What get returns]).
     store = make_store(device_bytes=0, host_bytes=0)
     t = _random((3 * MiB // 4 + 5,), torch.float32, seed=4)
     lead = t.data_ptr() % 4096
@@ -208,6 +209,40 @@ def test_a_big_cpu_tensor_comes_back_at_its_place_in_a_page(make_store: MakeStor
     wait_for(lambda: store.tier_of(h2) is Tier.DISK)
     assert _same_bits(store.get(h2), t)
     assert store._core._read_pool.reused == reused + 1
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"device_bytes": "unlimited"},
+        {"host_bytes": "unlimited"},
+        {"host_bytes": 0},
+        {"host_bytes": 0, "direct_io": "off"},
+        {"host_bytes": 0, "disk_format": "zarr"},
+    ],
+    ids=["device", "host", "disk-direct", "disk-buffered", "disk-zarr"],
+)
+def test_get_returns_a_tensor_that_owns_exactly_its_bytes(
+    make_store: MakeStore, settings: dict[str, object]
+) -> None:
+    """Note: [What get returns]: offset 0, a storage of exactly its bytes, on every path."""
+    store = make_store(**{"device_bytes": 0, **settings})
+    # Small (packed), just over 1 MiB, several chunks; plain, 64 bytes into a page, a view.
+    base = _random((3 * MiB + 4096,), torch.uint8, seed=9)
+    cases = [
+        _random((16 << 10,), torch.float32, seed=10),
+        _random((MiB // 4 + 16,), torch.float32, seed=11),
+        _random((5 * MiB // 2,), torch.bfloat16, seed=12),
+        base[64 : 64 + 3 * MiB].view(torch.int32),
+        base[128:].view(torch.int16)[: MiB + 7].reshape(MiB + 7, 1).t(),
+    ]
+    handles = [store.put(t) for t in cases]
+    wait_for(lambda: store.stats().inflight_bytes == 0)
+    for t, h in zip(cases, handles, strict=True):
+        out = store.get(h)
+        assert _same_bits(out, t)
+        assert out.is_contiguous() and out.storage_offset() == 0
+        assert out.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def test_tier_full_raises_and_drops_nothing(make_store: MakeStore) -> None:

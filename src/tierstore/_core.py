@@ -59,8 +59,10 @@ from tierstore.errors import (
     CorruptTensorError,
     SpillIOError,
     StoreClosedError,
+    TensorModifiedError,
     TensorReleasedError,
     TierFullError,
+    TierStoreError,
     UnsupportedTensorError,
 )
 from tierstore.tiers import WriteRequest, open_engine
@@ -139,6 +141,7 @@ class _Entry:
         "ready",
         "shape",
         "state",
+        "version",
     )
 
     def __init__(self, key: int, t: torch.Tensor, movable: bool) -> None:
@@ -151,6 +154,9 @@ class _Entry:
         self.nbytes = t.numel() * t.element_size()
         self.movable = movable
         self.state = S.DEVICE
+        self.version = version_of(t)
+        """The version counter of the tensor the store holds, when that is the caller's
+        (Note: [Writes after put])."""
         self.data: torch.Tensor | None = None
         """The tensor on its own device."""
         self.host: torch.Tensor | None = None
@@ -599,10 +605,14 @@ class StoreCore:
                 # On the CPU the host tier holds the tensor itself: no copy, no I/O.
                 heapq.heappop(self._heaps[Tier.DEVICE])
                 assert e.data is not None
-                self._set_state(e, S.MOVING_TO_HOST)
-                self._set_host(e, compact(e.data))
-                self._set_data(e, None)
-                self._set_state(e, S.HOST)
+                if self._check_unchanged(e, e.data):
+                    host = compact(e.data)
+                    if host is not e.data:
+                        e.version = version_of(host)  # a copy of the store's own
+                    self._set_state(e, S.MOVING_TO_HOST)
+                    self._set_host(e, host)
+                    self._set_data(e, None)
+                    self._set_state(e, S.HOST)
                 continue
             if self._inflight and self._inflight + e.nbytes > limit:
                 blocked = True
@@ -685,7 +695,7 @@ class StoreCore:
             with self._lock:
                 self._inflight -= e.nbytes
                 log.error("tierstore: copying %s to host failed: %s", e.describe(), exc)
-                if e.state is S.RELEASED:
+                if e.state in TERMINAL:
                     self._free_copies(e)
                 else:
                     self._set_state(e, S.DEVICE)
@@ -695,12 +705,13 @@ class StoreCore:
             self._inflight -= e.nbytes
             self._stats.bytes_to_host += e.nbytes
             self._stats.seconds_to_host += time.perf_counter() - t0
-            if e.state is S.RELEASED:
+            if e.state in TERMINAL:
                 self._free_copies(e)
-            else:
+            elif self._check_unchanged(e, e.data):
                 self._set_host(e, host)
                 self._set_data(e, None)
                 e.ready = None
+                e.version = None  # the host copy is the store's own
                 self._set_state(e, S.HOST)
             self._plan_down()
 
@@ -723,19 +734,23 @@ class StoreCore:
 
     def _spill_ended(self, e: _Entry, exc: BaseException | None) -> None:
         self._inflight -= e.nbytes
-        if exc is not None:
-            self._stats.write_errors += 1
+        changed = exc if isinstance(exc, TensorModifiedError) else None
+        if exc is None:
+            self._stats.bytes_to_disk += e.nbytes
+        else:
             footprint = e.disk
-            self._set_disk(e, 0)
-            self._disk_failed(e, footprint, exc)
-            if e.state is S.RELEASED:
-                self._free_copies(e)
-            else:
-                self._set_state(e, S.HOST)
-            return
-        self._stats.bytes_to_disk += e.nbytes
-        if e.state is S.RELEASED:
-            self._free_copies(e)
+            self._set_disk(e, 0)  # the engine keeps nothing of a failed write
+            if changed is None:
+                self._stats.write_errors += 1
+                self._disk_failed(e, footprint, exc)
+        if e.state in TERMINAL:
+            self._free_copies(e)  # released, or failed, while the write ran
+        elif changed is not None:
+            self._fail(e, _changed_error(e, str(changed)))
+        elif e.host is not None and not self._check_unchanged(e, e.host):
+            pass  # the bytes written are not those put (Note: [Writes after put])
+        elif exc is not None:
+            self._set_state(e, S.HOST)
         else:
             self._set_host(e, None)
             self._set_state(e, S.DISK)
@@ -780,6 +795,23 @@ class StoreCore:
             return result
 
     def _get_locked(self, e: _Entry) -> torch.Tensor | cf.Future[torch.Tensor]:
+        """What a get of ``e`` returns now, or the future of it.
+
+        Note: [What get returns]
+            ``get`` returns a contiguous tensor with the dtype, shape and device of the tensor
+            that was put, bit for bit, whose storage holds exactly its bytes:
+            ``storage_offset() == 0`` and ``untyped_storage().nbytes() == nbytes``. Nothing of
+            any other tensor can be reached through it (``torch.save`` writes exactly its
+            bytes), and code that rebuilds views of it with ``as_strided`` may count offsets
+            from 0. Every path keeps this: a read from disk lands in a pooled buffer wider than
+            the tensor (the engine reads whole pages) and hands back a tensor made on exactly
+            the tensor's bytes inside it; a tensor still resting where it was put comes back
+            as itself when it already owns exactly its storage, and as a compact copy when it
+            is a view. Storage from the read pool cannot grow (as with ``torch.frombuffer``):
+            ``resize_`` to a larger size raises, so ``clone()`` it first to use it as a
+            resizable ``out=``. The adapters rely on this contract, and the differential tests
+            in ``tests/adapters/test_bitexact.py`` cover every path it has.
+        """
         st = self._stats
         state = e.state
         if state is S.FAILED:
@@ -801,9 +833,12 @@ class StoreCore:
         if source is not None and (source.device == e.device or e.device.type == "cpu"):
             # Resting on its device, or on the CPU where host memory is the device, or moving
             # down with its source still intact.
+            if not self._check_unchanged(e, source, io_done=state not in TRANSIT):
+                assert e.error is not None
+                raise e.error
             st.prefetch_hits += 1
             st.gets += 1
-            return source
+            return compact(source)  # Note: [What get returns]
         if state is S.MOVING_TO_DISK and source is not None:
             # A CUDA tensor whose host copy is being written: copy the host copy back.
             st.prefetch_misses += 1
@@ -927,22 +962,18 @@ class StoreCore:
         if not live:
             return
         disk = [e for e in live if e.disk]
-        windows = [self._read_buffer(e) for e in disk]
+        targets = [self._read_buffer(e) for e in disk]
         t0 = time.perf_counter()
         read_errors: list[BaseException | None] = []
         if disk:
             assert self._engine is not None
             read_errors = await self._engine.read_many(
-                [(e.key, buf) for e, (buf, _) in zip(disk, windows, strict=True)]
+                [(e.key, out) for e, (out, _) in zip(disk, targets, strict=True)]
             )
         t1 = time.perf_counter()
         read_error = {e.key: err for e, err in zip(disk, read_errors, strict=True)}
-        # A view only where the buffer is the engine's wider window: each view is one more
-        # tensor object per read for the garbage collector (see from_bytes).
-        buffers = {
-            e.key: buf if buf.numel() == e.nbytes else buf.narrow(0, lead, e.nbytes)
-            for e, (buf, lead) in zip(disk, windows, strict=True)
-        }
+        buffers = {e.key: data for e, (_, data) in zip(disk, targets, strict=True)}
+        del targets  # the read windows: only ``data`` may keep a pooled buffer busy now
         results: list[tuple[_Entry, torch.Tensor | Exception]] = []
         for e in live:
             err = read_error.get(e.key)
@@ -988,20 +1019,24 @@ class StoreCore:
             if not fut.done():
                 fut.set_result(out)
 
-    def _read_buffer(self, e: _Entry) -> tuple[torch.Tensor, int]:
-        """Where a disk read of ``e`` lands, and at which offset: pooled for big CPU tensors,
-        pinned for CUDA ones.
+    def _read_buffer(self, e: _Entry) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, data)``: what a disk read of ``e`` fills, and the entry's bytes in it.
 
-        The pooled buffer spans the pages the engine's layout asks for (``read_window``), so
-        the read goes straight into it; the tensor handed back is a view at the lead.
+        Big CPU tensors read into a pooled buffer spanning the pages the engine's layout asks
+        for (``read_window``), so the read goes straight into it; ``data`` is then a tensor
+        whose storage is exactly the entry's bytes inside that buffer (Note: [What get
+        returns]). Small CPU tensors read into a plain allocation, CUDA ones into pinned memory;
+        there ``out`` and ``data`` are the same tensor.
         """
         assert self._engine is not None
         if e.device.type == "cpu" and e.nbytes >= _POOLED_READ_BYTES:
             lead, span = self._engine.read_window(e.key, e.nbytes)
-            return self._read_pool.take(span), lead
+            return self._read_pool.take(e.nbytes, lead=lead, span=span)
         if e.device.type == "cpu":
-            return torch.empty(e.nbytes, dtype=torch.uint8), 0
-        return host_buffer(e.nbytes, pinned=True), 0
+            buf = torch.empty(e.nbytes, dtype=torch.uint8)
+        else:
+            buf = host_buffer(e.nbytes, pinned=True)
+        return buf, buf
 
     def _fetch_failed(self, e: _Entry, fut: cf.Future[torch.Tensor] | None, exc: Exception) -> None:
         """Record a failed fetch: FAILED if the copy is corrupt, else back to its home tier.
@@ -1084,6 +1119,41 @@ class StoreCore:
         else:
             self._free_copies(e)
         self._plan_prefetch()
+
+    def _check_unchanged(self, e: _Entry, t: torch.Tensor, *, io_done: bool = True) -> bool:
+        """Whether ``t``, the caller's tensor the store holds for ``e``, is as it was put.
+
+        If not, ``e`` fails with a :class:`TensorModifiedError` that says what changed, and
+        False is returned; ``get`` raises that error from then on. Its copies are freed now,
+        or, when ``io_done`` is False, by the transfer still running (as for a release).
+
+        Note: [Writes after put]
+            On the CPU, and on a device until its copy is made, the store holds the caller's
+            own tensor rather than a copy. Writing it in place, or resizing its storage (as
+            FSDP frees a flat parameter with ``storage.resize_(0)``), after ``put`` breaks the
+            contract, and the store cannot give back what was put. It notices instead of
+            returning other bytes, crashing, or blaming the disk: the version counter recorded
+            at put is compared whenever the store copies, spills or returns the tensor, and the
+            storage's size is checked first (the raw engine checks it again on its I/O threads,
+            right before touching the memory). The entry then fails with an error saying so.
+        """
+        why = _changed(e, t)
+        if why is None:
+            return True
+        self._fail(e, _changed_error(e, why), io_done=io_done)
+        return False
+
+    def _fail(self, e: _Entry, err: TierStoreError, *, io_done: bool = True) -> None:
+        """End ``e`` in FAILED with ``err``, which every later get raises."""
+        log.error("tierstore: %s", err)
+        in_transit = e.state in TRANSIT and not io_done
+        self._set_state(e, S.FAILED)
+        e.error = err
+        if in_transit:
+            # The task moving it frees what it holds when its I/O ends, as after a release.
+            self._in_transit_released.add(e)
+        else:
+            self._free_copies(e)
 
     def _free_copies(self, e: _Entry) -> None:
         if e.host is not None or e.data is not None:
@@ -1357,3 +1427,31 @@ def _free_bytes(dirs: Iterable[os.PathLike[str]]) -> int:
         seen.add(dev)
         free += st.f_bavail * st.f_frsize
     return free
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, or None for tensors that keep none (inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _changed(e: _Entry, t: torch.Tensor) -> str | None:
+    """How ``t`` changed since ``e`` was put, or None (Note: [Writes after put])."""
+    # The bytes of storage the tensor reaches (an expanded view reaches fewer than it shows).
+    reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    need = (t.storage_offset() + reach + 1) * t.element_size() if t.numel() else 0
+    have = t.untyped_storage().nbytes()
+    if have < need:
+        return f"its storage was resized to {have} bytes (it needs {need}), as resize_(0) does"
+    if e.version is not None and version_of(t) != e.version:
+        return f"it was written in place (version {e.version} at put, {version_of(t)} now)"
+    return None
+
+
+def _changed_error(e: _Entry, why: str) -> TensorModifiedError:
+    return TensorModifiedError(
+        f"{e.describe()} changed after put(): {why}. The store no longer holds the bytes that "
+        "were put. Leave a tensor untouched until its handle is released, or put a clone()"
+    )

@@ -58,12 +58,13 @@ class TensorState(enum.Enum):
 S = TensorState
 
 TRANSITIONS: dict[TensorState, frozenset[TensorState]] = {
-    S.DEVICE: frozenset({S.MOVING_TO_HOST, S.MOVING_TO_DISK, S.RELEASED}),
-    S.HOST: frozenset({S.MOVING_TO_DISK, S.FETCHING, S.RELEASED}),
+    # A resting or moving source written after put fails its entry (Note: [Writes after put]).
+    S.DEVICE: frozenset({S.MOVING_TO_HOST, S.MOVING_TO_DISK, S.RELEASED, S.FAILED}),
+    S.HOST: frozenset({S.MOVING_TO_DISK, S.FETCHING, S.RELEASED, S.FAILED}),
     S.DISK: frozenset({S.FETCHING, S.RELEASED}),
     # A failed copy leaves the source where it was.
-    S.MOVING_TO_HOST: frozenset({S.HOST, S.DEVICE, S.RELEASED}),
-    S.MOVING_TO_DISK: frozenset({S.DISK, S.DEVICE, S.HOST, S.RELEASED}),
+    S.MOVING_TO_HOST: frozenset({S.HOST, S.DEVICE, S.RELEASED, S.FAILED}),
+    S.MOVING_TO_DISK: frozenset({S.DISK, S.DEVICE, S.HOST, S.RELEASED, S.FAILED}),
     # A failed fetch returns to the home tier, or fails the entry when the home copy is corrupt.
     S.FETCHING: frozenset({S.FETCHED, S.HOST, S.DISK, S.FAILED, S.RELEASED}),
     # Consuming or evicting the fetched copy returns the entry to its home tier.

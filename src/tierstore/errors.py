@@ -14,6 +14,7 @@ __all__ = [
     "SpillIOError",
     "StoreClosedError",
     "StoreTimeoutError",
+    "TensorModifiedError",
     "TensorReleasedError",
     "TierFullError",
     "TierStoreError",
@@ -40,6 +41,14 @@ class CorruptTensorError(TierStoreError, IOError):
 
 class SpillIOError(TierStoreError, IOError):
     """Reading or writing a spilled tensor failed; the message names the tensor."""
+
+
+class TensorModifiedError(TierStoreError, RuntimeError):
+    """A tensor was written in place, or its storage resized, after it was put.
+
+    The store held the caller's own tensor and can no longer give back the bytes that were put;
+    the message names the tensor and what changed.
+    """
 
 
 class TensorReleasedError(TierStoreError, KeyError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from tierstore.tiers._hostpool import HostPool
@@ -14,19 +15,20 @@ MiB = 1 << 20
 def test_buffers_are_page_aligned_and_sized() -> None:
     pool = HostPool(keep_bytes=64 * MiB)
     for n in (1, 4095, 4096, 4097, 3 * MiB + 5):
-        t = pool.take(n)
+        window, t = pool.take(n)
+        assert window is t
         assert t.dtype is torch.uint8 and t.numel() == n
         assert t.data_ptr() % 4096 == 0
 
 
 def test_a_buffer_in_use_is_never_handed_out_again() -> None:
     pool = HostPool(keep_bytes=64 * MiB)
-    a = pool.take(MiB)
+    a = pool.take(MiB)[1]
     a.fill_(7)
     view = a[100:200].view(torch.int16)  # a view alone keeps the buffer busy
     del a
     gc.collect()
-    b = pool.take(MiB)
+    _, b = pool.take(MiB)
     b.fill_(9)
     assert torch.all(view == 0x0707), "a buffer still used by a view was overwritten"
     assert pool.created == 2 and pool.reused == 0
@@ -34,10 +36,10 @@ def test_a_buffer_in_use_is_never_handed_out_again() -> None:
 
 def test_a_freed_buffer_is_reused() -> None:
     pool = HostPool(keep_bytes=64 * MiB)
-    a = pool.take(MiB)
+    a = pool.take(MiB)[1]
     ptr = a.data_ptr()
     del a
-    b = pool.take(MiB - 10)  # same page-rounded size class
+    b = pool.take(MiB - 10)[1]  # same page-rounded size class
     assert b.data_ptr() == ptr
     assert pool.reused == 1 and pool.created == 1
 
@@ -48,6 +50,37 @@ def test_free_buffers_beyond_keep_bytes_are_unmapped() -> None:
     del held
     pool.take(2 * MiB)  # another size: the four free 1 MiB buffers make room
     assert pool.mapped_bytes <= 4 * MiB
-    busy = [pool.take(3 * MiB) for _ in range(3)]  # buffers in use are never unmapped
+    busy = [pool.take(3 * MiB)[1] for _ in range(3)]  # buffers in use are never unmapped
     assert all(int(t.sum()) == 0 for t in busy)
     assert pool.mapped_bytes >= 9 * MiB
+
+
+def test_data_at_a_lead_owns_exactly_its_bytes() -> None:
+    """Note: [What get returns]: the data is a storage of its own bytes inside the window."""
+    pool = HostPool(keep_bytes=64 * MiB)
+    n, lead = 3 * MiB + 5, 64
+    window, data = pool.take(n, lead=lead, span=n + lead + 4000)
+    assert window.data_ptr() % 4096 == 0 and window.numel() == n + lead + 4000
+    assert data.storage_offset() == 0 and data.untyped_storage().nbytes() == n
+    assert data.data_ptr() == window.data_ptr() + lead
+    window[lead : lead + n].fill_(3)
+    window[:lead].fill_(1)
+    assert torch.all(data == 3)  # the bytes around it are not part of it
+
+
+def test_the_data_alone_keeps_the_buffer_busy() -> None:
+    pool = HostPool(keep_bytes=64 * MiB)
+    window, data = pool.take(MiB, lead=128, span=MiB + 4096)
+    del window
+    gc.collect()
+    _, other = pool.take(MiB, lead=128, span=MiB + 4096)
+    assert other.data_ptr() != data.data_ptr()
+    del data, other
+    _, again = pool.take(MiB, lead=128, span=MiB + 4096)
+    assert pool.reused == 1 and again.numel() == MiB
+
+
+def test_a_lead_that_does_not_fit_is_refused() -> None:
+    pool = HostPool(keep_bytes=64 * MiB)
+    with pytest.raises(ValueError, match="do not fit"):
+        pool.take(MiB, lead=64, span=MiB)

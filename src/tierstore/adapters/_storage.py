@@ -86,7 +86,7 @@ class Saved:
         are now (a tier that holds the tensor itself).
     """
 
-    __slots__ = ("dtype", "offset", "size", "source", "stored", "stride", "version")
+    __slots__ = ("dtype", "end", "offset", "size", "source", "stored", "stride", "version")
 
     def __init__(self, stored: Stored, t: torch.Tensor) -> None:
         self.stored = stored
@@ -94,6 +94,9 @@ class Saved:
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        # One past the last element the view reaches, counted from the storage's start.
+        reach = sum((n - 1) * st for n, st in zip(self.size, self.stride, strict=True))
+        self.end = self.offset if 0 in self.size else self.offset + reach + 1
         self.version = t._version
         self.source = weakref.ref(t)
 
@@ -113,7 +116,16 @@ class Saved:
             )
         flat = self.stored.flat()
         with torch.no_grad():
-            return flat.view(self.dtype).as_strided(self.size, self.stride, self.offset)
+            typed = flat.view(self.dtype)
+            if typed.numel() < self.end:
+                raise RuntimeError(
+                    f"tierstore: a saved {self.dtype} tensor of shape {list(self.size)} needs "
+                    f"{self.end} elements of its storage but the store returned {typed.numel()}"
+                )
+            # ``as_strided`` counts its offset from the start of the storage, not of ``flat``;
+            # get returns offset 0 (Note: [What get returns] in ``_core.py``), and counting
+            # from ``flat`` keeps views right even if that ever changed.
+            return typed.as_strided(self.size, self.stride, typed.storage_offset() + self.offset)
 
 
 def is_parameter(t: torch.Tensor) -> bool:

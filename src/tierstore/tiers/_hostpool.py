@@ -45,6 +45,14 @@ def _refs(maps: list[mmap.mmap], i: int) -> int:
 _FREE_REFS = _refs([mmap.mmap(-1, _PAGE)], 0)
 
 
+def _tensors(m: mmap.mmap, nbytes: int, lead: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    window = torch.frombuffer(m, dtype=torch.uint8, count=span)
+    if lead == 0 and nbytes == span:
+        return window, window
+    # frombuffer with an offset gives a storage that starts at ``lead``: the data's own bytes.
+    return window, torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=lead)
+
+
 class HostPool:
     """Page-aligned host buffers, reused once no tensor refers to them.
 
@@ -65,21 +73,37 @@ class HostPool:
         self.reused = 0
         self.created = 0
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A 1-D ``uint8`` tensor of ``nbytes`` on a page-aligned buffer nobody else uses."""
-        size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+    def take(
+        self, nbytes: int, *, lead: int = 0, span: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A free page-aligned buffer of ``span`` bytes (default ``nbytes``), as two tensors.
+
+        Returns:
+            ``(window, data)``. ``window`` is the whole buffer from its first page: what a disk
+            read fills (Note: [A tensor's lead] in ``_raw.py``). ``data`` is the
+            ``nbytes`` at ``lead``, a tensor whose storage is exactly those bytes
+            (``storage_offset() == 0``), so nothing else in the buffer can be reached through
+            it. Either keeps the buffer busy while it lives.
+
+        Raises:
+            ValueError: ``lead + nbytes`` does not fit in ``span``.
+        """
+        span = nbytes if span is None else span
+        if lead < 0 or lead + nbytes > span:
+            raise ValueError(f"{nbytes} bytes at lead {lead} do not fit in a span of {span}")
+        size = max(_PAGE, -(-span // _PAGE) * _PAGE)
         with self._lock:
             maps = self._maps.setdefault(size, [])
             for i in range(len(maps)):
                 if _refs(maps, i) <= _FREE_REFS:
                     self.reused += 1
-                    return torch.frombuffer(maps[i], dtype=torch.uint8, count=nbytes)
+                    return _tensors(maps[i], nbytes, lead, span)
             self._trim(size)
             m = _new_map(size)
             maps.append(m)
             self.mapped_bytes += size
             self.created += 1
-        return torch.frombuffer(m, dtype=torch.uint8, count=nbytes)
+        return _tensors(m, nbytes, lead, span)
 
     def _trim(self, incoming: int) -> None:
         """Unmap free buffers while the pool would exceed ``keep_bytes``."""

@@ -75,7 +75,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tierstore._libc import libc_function
-from tierstore.errors import ConfigError, CorruptTensorError
+from tierstore.errors import ConfigError, CorruptTensorError, TensorModifiedError
 from tierstore.tiers._checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
 from tierstore.tiers._checksum import crc32c
 from tierstore.tiers._engine import DiskEngine, WriteRequest
@@ -524,7 +524,7 @@ class RawEngine(DiskEngine):
         blob = await self._place(src.numel(), lead if lead % _LEAD_ALIGN == 0 else 0)
         try:
             view = _byte_view(src)
-            await self._run(self._write_chunk, blob, view, src.data_ptr())
+            await self._run(self._write_chunk, blob, view, src)
         except BaseException:
             self._free(blob)
             raise
@@ -553,7 +553,7 @@ class RawEngine(DiskEngine):
             if error is not None:
                 raise error
             return
-        await self._run(self._read_chunk, blob, _byte_view(out), out.data_ptr())
+        await self._run(self._read_chunk, blob, _byte_view(out), out)
 
     async def write_many(self, requests: Sequence[WriteRequest]) -> list[BaseException | None]:
         """Store several blobs; small ones join packs without a coroutine each.
@@ -723,10 +723,13 @@ class RawEngine(DiskEngine):
             f.extents.free(offset, nbytes)
         blob.extents.clear()
 
-    async def _run(self, fn: _ChunkFn, blob: _Blob, view: memoryview, address: int) -> None:
+    async def _run(self, fn: _ChunkFn, blob: _Blob, view: memoryview, t: torch.Tensor) -> None:
+        """Run ``fn`` for every chunk of ``blob`` on the I/O threads; ``t`` is the memory
+        (``view`` of it, at ``t.data_ptr()``) the chunks move from or to."""
         loop = asyncio.get_running_loop()
+        address = t.data_ptr()
         futures = [
-            loop.run_in_executor(self._pool, fn, blob, i, view, address)
+            loop.run_in_executor(self._pool, fn, blob, i, view, address, t)
             for i in range(len(blob.chunks))
         ]
         if not futures:
@@ -753,7 +756,7 @@ class RawEngine(DiskEngine):
         return 0 < nbytes <= self._pack_max
 
     def _enqueue_pack(self, src: torch.Tensor, waiter: _Waiter) -> _PackItem:
-        item = _PackItem(src, waiter)
+        item = _PackItem(src, waiter, src.data_ptr())
         padded = _pad(src.numel())
         if self._pack_bytes + padded > self._chunk:
             self._start_pack()
@@ -799,7 +802,10 @@ class RawEngine(DiskEngine):
         else:
             self.packs_written += 1
             for it, b in zip(items, blobs, strict=True):
-                if it.waiter.done.cancelled():
+                if it.error is not None:
+                    self._free(b)  # its source changed: that blob alone is not written
+                    it.waiter.finish_one()
+                elif it.waiter.done.cancelled():
                     self._free(b)  # its writer was cancelled: nobody owns the blob
                 else:
                     it.blob = b
@@ -888,7 +894,13 @@ class RawEngine(DiskEngine):
         try:
             for it, b in zip(items, blobs, strict=True):
                 at = buf.address + b.offset - first.offset
-                memmove(at, it.src.data_ptr(), b.size)
+                try:
+                    _check_source(it.src, it.address)
+                except TensorModifiedError as exc:
+                    it.error = exc  # fails its own blob, not its neighbours in the pack
+                    memset(at, 0, _pad(b.size))
+                    continue
+                memmove(at, it.address, b.size)
                 memset(at + b.size, 0, _pad(b.size) - b.size)
                 if self._checksum:
                     b.crc = crc32c(at, b.size)
@@ -925,7 +937,10 @@ class RawEngine(DiskEngine):
         finally:
             self._bounce.put(buf)
 
-    def _write_chunk(self, blob: _Blob, i: int, view: memoryview, address: int) -> None:
+    def _write_chunk(
+        self, blob: _Blob, i: int, view: memoryview, address: int, owner: torch.Tensor
+    ) -> None:
+        _check_source(owner, address)
         c = blob.chunks[i]
         src = address + c.start
         padded = _pad(c.lead + c.length)
@@ -954,7 +969,9 @@ class RawEngine(DiskEngine):
         finally:
             self._bounce.put(buf)
 
-    def _read_chunk(self, blob: _Blob, i: int, view: memoryview, address: int) -> None:
+    def _read_chunk(
+        self, blob: _Blob, i: int, view: memoryview, address: int, out: torch.Tensor
+    ) -> None:
         c = blob.chunks[i]
         # ``view`` is ``out``: the blob's size, or its whole page span (Note: [A tensor's lead]).
         at = c.start + (blob.lead if len(view) != blob.size else 0)
@@ -1004,7 +1021,7 @@ class RawEngine(DiskEngine):
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Sequence
 
-    _ChunkFn = Callable[[_Blob, int, memoryview, int], None]
+    _ChunkFn = Callable[[_Blob, int, memoryview, int, torch.Tensor], None]
 
 
 class _Waiter:
@@ -1034,6 +1051,8 @@ class _PackItem:
 
     src: torch.Tensor
     waiter: _Waiter
+    address: int = 0
+    """Where ``src``'s bytes were when the write was asked for."""
     blob: _Packed | None = None
     error: BaseException | None = None
 
@@ -1077,6 +1096,24 @@ def _free_granted(done: asyncio.Future[int | None], f: _SpillFile, nbytes: int) 
         offset = done.result()
         if offset is not None:
             f.extents.free(offset, nbytes)
+
+
+def _check_source(src: torch.Tensor, address: int) -> None:
+    """Refuse to read memory a source no longer owns (Note: [Writes after put] in _core.py).
+
+    A caller that resized the storage of a tensor being written (``resize_(0)`` frees it) would
+    otherwise make the copy below read freed memory and crash the process. Checked on the I/O
+    thread right before the memory is touched.
+
+    Raises:
+        TensorModifiedError: the storage moved, or no longer covers the source's bytes.
+    """
+    have = src.untyped_storage().nbytes()
+    if src.data_ptr() != address or have < src.storage_offset() + src.numel():
+        raise TensorModifiedError(
+            f"its storage was resized to {have} bytes or moved while waiting to be written "
+            f"(it needs {src.storage_offset() + src.numel()}), as resize_(0) does"
+        )
 
 
 def _check_bytes(t: torch.Tensor, name: str) -> None:

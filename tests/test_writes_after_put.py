@@ -1,0 +1,138 @@
+"""A tensor written or freed after put: a clear error for that tensor, nothing else harmed.
+
+See Note: [Writes after put] in ``_core.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from reliability.faults import install, settled, wait_for
+from tierstore import TensorModifiedError, TensorState, Tier, TieredStore
+from tierstore.config import StoreConfig
+from tierstore.tiers._engine import WriteRequest
+from tierstore.tiers._raw import RawEngine
+
+MiB = 1 << 20
+MakeStore = Callable[..., TieredStore]
+
+ENGINES = {
+    "raw-direct": {},
+    "raw-buffered": {"direct_io": "off"},
+    "zarr": {"disk_format": "zarr"},
+}
+SIZES = {"packed": 64 << 10, "chunked": 20 * MiB + 4}
+
+
+def _disk_store(make_store: MakeStore, engine: str) -> TieredStore:
+    return make_store(device_bytes=0, host_bytes=0, io_chunk_bytes="8MiB", **ENGINES[engine])
+
+
+@pytest.mark.parametrize("size", SIZES.values(), ids=SIZES.keys())
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_storage_freed_before_its_spill_fails_that_tensor_alone(
+    make_store: MakeStore, engine: str, size: int
+) -> None:
+    """FSDP frees a flat parameter with ``storage.resize_(0)``; the raw engine used to crash."""
+    store = _disk_store(make_store, engine)
+    faulty = install(store)
+    tensors = [torch.full((size,), i, dtype=torch.uint8) for i in range(4)]
+    victim = 2
+
+    def free_one(key: int) -> None:
+        if key == handles[victim].key:
+            tensors[victim].untyped_storage().resize_(0)
+
+    faulty.before_write = free_one
+    faulty.write_gate = threading.Event()  # no write starts before every handle is known
+    handles = [store.put(t) for t in tensors]
+    faulty.write_gate.set()
+    wait_for(lambda: settled(store))
+    with pytest.raises(TensorModifiedError, match=r"resized to 0 bytes"):
+        store.get(handles[victim])
+    assert store.state_of(handles[victim]) is TensorState.FAILED
+    for i, h in enumerate(handles):
+        if i != victim:
+            assert store.tier_of(h) is Tier.DISK
+            assert torch.equal(store.get(h), torch.full((size,), i, dtype=torch.uint8))
+    stats = store.stats()
+    assert stats.write_errors == 0 and stats.disk_available  # not the disk's fault
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_tensor_written_in_place_during_its_spill_is_named_not_blamed_on_the_disk(
+    make_store: MakeStore, engine: str
+) -> None:
+    store = _disk_store(make_store, engine)
+    faulty = install(store)
+    t = torch.zeros(3 * MiB)
+    faulty.before_write = lambda key: t.add_(1)
+    h = store.put(t)
+    wait_for(lambda: settled(store))
+    with pytest.raises(TensorModifiedError, match=r"written in place \(version 0 at put, 1 now\)"):
+        store.get(h)
+    with pytest.raises(TensorModifiedError):  # for good, not only once
+        store.get(h)
+    assert store.stats().read_errors == 0 and store.stats().write_errors == 0
+
+
+def test_a_tensor_written_in_place_while_it_rests_in_host_memory(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes="unlimited")
+    t = torch.zeros(MiB)
+    h = store.put(t)
+    t[7] = 1.0
+    with pytest.raises(TensorModifiedError, match=r"tensor #1 .* written in place"):
+        store.get(h)
+    assert store.stats().host.bytes == 0  # the failed entry holds nothing
+
+
+def test_a_view_written_through_its_base_is_noticed(make_store: MakeStore) -> None:
+    store = make_store(device_bytes="unlimited")
+    base = torch.zeros(4, MiB // 4)
+    h = store.put(base[1])
+    base[1, 3] = 2.0  # the view shares its base's version counter
+    with pytest.raises(TensorModifiedError):
+        store.get(h)
+
+
+def test_an_untouched_tensor_and_an_inference_tensor_come_back(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    with torch.inference_mode():
+        inference = torch.arange(MiB, dtype=torch.float32)  # keeps no version counter
+    plain = torch.arange(MiB, dtype=torch.float32)
+    handles = [store.put(inference), store.put(plain)]
+    wait_for(lambda: settled(store))
+    for h in handles:
+        assert torch.equal(store.get(h), plain)
+
+
+async def test_the_raw_engine_checks_a_source_on_its_io_thread(tmp_path: Path) -> None:
+    """A pack fails only the blob whose storage went away; its neighbours are written."""
+    d = tmp_path / "d"
+    d.mkdir()
+    engine = RawEngine((d,), StoreConfig.from_env(disk_dir=tmp_path))
+    try:
+        sources = [torch.full((64 << 10,), i, dtype=torch.uint8) for i in range(3)]
+        big = torch.full((3 * MiB,), 9, dtype=torch.uint8)
+        requests = [WriteRequest(i, s) for i, s in enumerate([*sources, big])]
+        task = asyncio.ensure_future(engine.write_many(requests))
+        await asyncio.sleep(0)  # the requests are queued; nothing is written yet
+        sources[1].untyped_storage().resize_(0)
+        big.untyped_storage().resize_(0)
+        outcomes = await task
+        assert outcomes[0] is None and outcomes[2] is None
+        assert isinstance(outcomes[1], TensorModifiedError)
+        assert isinstance(outcomes[3], TensorModifiedError)
+        for i in (0, 2):
+            out = torch.empty(64 << 10, dtype=torch.uint8)
+            await engine.read(i, out)
+            assert torch.equal(out, torch.full((64 << 10,), i, dtype=torch.uint8))
+        assert engine.reusable_bytes() > 0  # the failed blobs' space is free again
+    finally:
+        await engine.close()
