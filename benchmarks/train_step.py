@@ -14,6 +14,12 @@ torch.cuda.max_memory_allocated). With --rounds N every mode runs N times, the m
 turns, so that load from other processes on a shared machine falls on all modes alike; the
 step time is then the median over all rounds' steps and the peak the median of the rounds'.
 
+Before it is timed, every mode trains one step from the same weights, batch and dropout seed
+and reports a digest of its loss and gradients. A mode whose digest differs from plain
+training's (``none``, run for the comparison when not asked for) computed wrong values: it is
+not reported, the run says so, and it exits with status 1. Figures taken while values were
+wrong mean nothing.
+
 Every child runs with MALLOC_MMAP_THRESHOLD_=1048576, so that every mode returns freed
 tensors of 1 MiB and more to the OS at once. Without it glibc would keep them in its heap in
 the modes that do not offload, while the store returns what it frees with malloc_trim (Note:
@@ -26,6 +32,7 @@ the store.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -178,8 +185,9 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         return nullcontext()
 
     cpu_times: list[float] = []
+    digest = hashlib.sha256()
 
-    def step() -> float:
+    def step(check: bool = False) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         c0 = time.process_time()
@@ -190,13 +198,20 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         del logits
         loss.backward()
+        if check:
+            digest.update(loss.detach().cpu().numpy().tobytes())
+            for p in model.parameters():
+                if p.grad is not None:
+                    digest.update(p.grad.detach().cpu().contiguous().numpy().tobytes())
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         cpu_times.append(time.process_time() - c0)
         return time.perf_counter() - t0
 
-    for _ in range(args.warmup):
+    torch.manual_seed(1)  # the dropout masks of the checked step
+    step(check=True)  # also the first warm-up step
+    for _ in range(args.warmup - 1):
         step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -214,6 +229,7 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "step_s_median": statistics.median(times),
         "step_s": times,
+        "grads_sha256": digest.hexdigest(),
         # CPU seconds of all the process's threads (store I/O threads included): on a shared
         # machine, less disturbed by other processes than wall time.
         "cpu_s": list(cpu_times),
@@ -271,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="at least 1: the checked step")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--sample-ms", type=float, default=1.0)
@@ -283,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="append one JSON line per mode to this file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1: the first warm-up step is the checked one")
 
     if args.worker:
         print(json.dumps(run_worker(args.worker, args)))
@@ -292,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    # Plain training is the reference every mode's gradients are checked against.
+    run_modes = modes if "none" in modes else ["none", *modes]
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in run_modes}
     with spill_parent(args.disk_dir) as disk_dir:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
         src = str(Path(__file__).resolve().parents[1] / "src")
@@ -301,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         forwarded = _strip(forwarded, ("--json", "--modes", "--disk-dir"))
         forwarded = _strip(forwarded, ("--rounds",))
         for _ in range(args.rounds):
-            for mode in modes:
+            for mode in run_modes:
                 cmd = [
                     sys.executable,
                     __file__,
@@ -316,13 +336,21 @@ def main(argv: list[str] | None = None) -> int:
                     sys.stderr.write(proc.stderr)
                     raise SystemExit(f"mode {mode} failed (exit {proc.returncode})")
                 runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    results = [combine(runs[mode]) for mode in modes]
+    reference = {r["grads_sha256"] for r in runs["none"]}
+    wrong = [m for m in modes if {r["grads_sha256"] for r in runs[m]} != reference]
+    results = [combine(runs[mode]) for mode in modes if mode not in wrong]
     if args.json is not None:
         with args.json.open("a") as f:
             for result in results:
                 f.write(json.dumps(result) + "\n")
     print(table(results))
-    return 0
+    for mode in wrong:
+        print(
+            f"REFUSED {mode}: its gradients differ from training without offloading, so its "
+            "figures are not reported",
+            file=sys.stderr,
+        )
+    return 1 if wrong else 0
 
 
 def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:

@@ -11,12 +11,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
+def run_bench(
+    tmp_path: Path, *extra: str, pythonpath: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     out = tmp_path / "results.jsonl"
     spill = tmp_path / "spill"
-    spill.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
+    spill.mkdir(exist_ok=True)
+    path = os.pathsep.join([*pythonpath, str(ROOT / "src")])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "train_step.py"),
@@ -35,7 +38,7 @@ def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
             "--vocab",
             "64",
             "--warmup",
-            "0",
+            "1",
             "--steps",
             "2",
             "--rounds",
@@ -48,6 +51,7 @@ def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
             str(spill),
             "--json",
             str(out),
+            *extra,
         ],
         env=env,
         capture_output=True,
@@ -55,6 +59,11 @@ def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
         timeout=300,
         check=False,
     )
+
+
+def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
+    proc = run_bench(tmp_path)
+    out, spill = tmp_path / "results.jsonl", tmp_path / "spill"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     by_mode = {r["mode"]: r for r in rows}
@@ -63,6 +72,7 @@ def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
         assert r["rounds"] == 1 and len(r["step_s"]) == 2 and r["step_s_median"] > 0
         assert r["peak_rss_bytes"] >= r["rss_before_bytes"] > 0
         assert r["saved_activation_bytes"] > 0
+    assert len({r["grads_sha256"] for r in rows}) == 1  # every mode checked, all equal
     for mode in ("ts_host", "ts_disk", "ts_ckpt"):
         assert by_mode[mode]["offloaded_bytes_per_step"] > 0, mode
     assert by_mode["ts_disk"]["spilled_tensors_per_step"] > 0
@@ -70,3 +80,24 @@ def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
     assert by_mode["ts_host"]["bytes_to_disk_per_step"] == 0
     assert "peak RSS MiB" in proc.stdout
     assert list(spill.iterdir()) == []
+
+
+def test_a_mode_with_wrong_gradients_is_refused(tmp_path: Path) -> None:
+    """Corrupt what the store gives back (a sitecustomize in the children) and see it refused."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import torch\n"
+        "from tierstore.adapters import _storage\n"
+        "real = _storage.Saved.tensor\n"
+        "def shifted(self):\n"
+        "    t = real(self)\n"
+        "    return t + 1 if t.is_floating_point() else t\n"
+        "_storage.Saved.tensor = shifted\n"
+    )
+    proc = run_bench(tmp_path, "--modes", "ts_disk,torch_ckpt", pythonpath=(str(inject),))
+    assert proc.returncode == 1
+    assert "REFUSED ts_disk: its gradients differ" in proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in rows] == ["torch_ckpt"]
+    assert "ts_disk" not in proc.stdout
