@@ -81,9 +81,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit equality, so NaN payloads and -0.0 count."""
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
-    return torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
-    )
+    # A fresh tensor has plain strides, which view(uint8) needs.
+    fresh_a = torch.empty(a.shape, dtype=a.dtype, device=a.device).copy_(a)
+    fresh_b = torch.empty(b.shape, dtype=b.dtype, device=b.device).copy_(b)
+    return torch.equal(fresh_a.reshape(-1).view(torch.uint8), fresh_b.reshape(-1).view(torch.uint8))
 
 
 # --------------------------------------------------------------------------- round trips
@@ -243,6 +244,20 @@ def test_get_returns_a_tensor_that_owns_exactly_its_bytes(
         assert _same_bits(out, t)
         assert out.is_contiguous() and out.storage_offset() == 0
         assert out.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_a_contiguous_tensor_with_odd_strides_on_size_one_dims_spills(
+    make_store: MakeStore,
+) -> None:
+    # Found by the round-trip property test: reshape(-1) kept the stride 2 of a size-1
+    # dimension, view(uint8) refused it, and the spill task died with the entry in flight.
+    store = make_store(device_bytes=0, host_bytes=0)
+    t = torch.tensor([7], dtype=torch.int16)[0:1:2].unflatten(0, (1, -1)).t()
+    assert t.is_contiguous() and t.stride() == (2, 2)
+    h = store.put(t)
+    wait_for(lambda: store.stats().inflight_bytes == 0)
+    assert store.tier_of(h) is Tier.DISK
+    assert _same_bits(store.get(h), t)
 
 
 def test_tier_full_raises_and_drops_nothing(make_store: MakeStore) -> None:

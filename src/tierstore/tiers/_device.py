@@ -62,9 +62,11 @@ def compact(t: torch.Tensor) -> torch.Tensor:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D ``uint8`` view of a contiguous tensor's bytes (no copy; ``t`` if it is one)."""
     # Skipping the no-op views saves two tensor objects per spill (see from_bytes).
-    if t.dtype == torch.uint8 and t.dim() == 1:
+    if t.dtype == torch.uint8 and t.dim() == 1 and t.stride(0) == 1:
         return t
-    return t.reshape(-1).view(torch.uint8)
+    # Not reshape(-1): a contiguous tensor may carry any stride on a dimension of size 1, and
+    # reshape keeps it, which view(uint8) then refuses. Its bytes are in order either way.
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
 
 
 def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
