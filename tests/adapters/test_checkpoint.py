@@ -285,3 +285,32 @@ def test_store_empty_after_each_of_100_steps(store_factory: StoreFactory) -> Non
         opt.step()
         assert settled(store).live_entries == 0, step
     assert store.stats().puts == 100 * len(model.blocks)
+
+
+def test_checkpoints_into_two_stores_are_independent(store_factory: StoreFactory) -> None:
+    """Note: [Stores are independent]: nothing found, read or prefetched across stores."""
+    a, b = store_factory("disk"), store_factory("disk")
+    x = torch.randn(64, 64, requires_grad=True)
+    ya = tierstore.checkpoint(torch.sin, x, store=a)
+    yb = tierstore.checkpoint(torch.cos, x, store=b)
+    # x is stored in each store, not found in a's table and read from a.
+    assert a.stats().puts == 1 and b.stats().puts == 1
+    a.close()
+    # b's backward neither reads from a nor prefetches a's entries (a is closed).
+    yb.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, -torch.sin(x.detach()))
+    assert b.stats().gets == 1
+    del ya, yb
+    assert settled(b).live_entries == 0
+
+
+def test_closing_one_store_leaves_backward_through_another_working(
+    store_factory: StoreFactory,
+) -> None:
+    s1, s2 = store_factory("host"), store_factory("host")
+    x = torch.randn(1000, requires_grad=True)
+    old = tierstore.checkpoint(torch.sin, x, store=s1)
+    s1.close()
+    tierstore.checkpoint(torch.cos, x, store=s2).sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, -torch.sin(x.detach()))
+    del old

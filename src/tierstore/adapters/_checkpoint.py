@@ -10,6 +10,14 @@ Note: [Checkpoint without recursion]
     ``forward`` was replaced on the instance, runs the class's own ``forward``. Each layer is
     thus checkpointed once and computed exactly once per forward and once per recompute.
 
+Note: [Stores are independent]
+    Checkpoints into different stores share nothing. Each store has its own table of stored
+    storages: with one table for the process, ``checkpoint(f, x, store=B)`` after
+    ``checkpoint(f, x, store=A)`` found ``x`` already stored, put nothing into B and read from
+    A in backward. And a checkpoint is linked, for prefetching in backward, to the previous
+    checkpoint made on its thread into the same store only: linked across stores, a backward
+    through B prefetched from A, and raised ``StoreClosedError`` once A was closed.
+
 Note: [Every input is an input]
     Positional and keyword arguments are flattened, and every tensor among them, including
     tensors bound in a ``functools.partial``, is an input of the autograd function, so every
@@ -50,8 +58,29 @@ __all__ = ["checkpoint"]
 R = TypeVar("R")
 
 _local = threading.local()
-# One table for every checkpoint: a mask handed to every layer is stored once.
-_table = StorageTable()
+# One table per store, shared by every checkpoint into it: a mask handed to every layer is
+# stored once. Per store, because a table that matched another store's entry would read from
+# that store, and die with it (Note: [Stores are independent]).
+_tables: weakref.WeakKeyDictionary[TieredStore, StorageTable] = weakref.WeakKeyDictionary()
+_tables_lock = threading.Lock()
+
+
+def _table_of(store: TieredStore) -> StorageTable:
+    with _tables_lock:
+        table = _tables.get(store)
+        if table is None:
+            table = _tables[store] = StorageTable()
+        return table
+
+
+def _last_plans() -> weakref.WeakKeyDictionary[TieredStore, weakref.ref[_Plan]]:
+    """This thread's most recent checkpoint into each store (Note: [Stores are independent])."""
+    plans: weakref.WeakKeyDictionary[TieredStore, weakref.ref[_Plan]] | None = getattr(
+        _local, "last_plans", None
+    )
+    if plans is None:
+        plans = _local.last_plans = weakref.WeakKeyDictionary()
+    return plans
 
 
 def _running() -> dict[int, int]:
@@ -156,7 +185,8 @@ class _Plan:
         self.autocast: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
         self.out_spec: pytree.TreeSpec | None = None
         self.out_tensor: list[bool] = []
-        # The checkpoint run just before this one: backward needs its inputs next.
+        # The checkpoint run just before this one on this thread and into this store:
+        # backward needs its inputs next.
         self.prev: weakref.ref[_Plan] | None = None
 
     def call(self, tensors: tuple[torch.Tensor, ...]) -> Any:
@@ -168,7 +198,7 @@ class _Plan:
             return self.function(*args, **kwargs)
 
     def pack(self, t: torch.Tensor) -> Saved | torch.Tensor:
-        packed = _table.offload(self.store, t, self.min_bytes)
+        packed = _table_of(self.store).offload(self.store, t, self.min_bytes)
         if isinstance(packed, Saved):
             self.stored.append(weakref.ref(packed.stored))
         return packed
@@ -217,9 +247,9 @@ class _CheckpointFunction(torch.autograd.Function):
         )
         ctx.plan = plan
         ctx.set_materialize_grads(False)
-        previous = getattr(_local, "last_plan", None)
-        plan.prev = previous
-        _local.last_plan = weakref.ref(plan)
+        plans = _last_plans()
+        plan.prev = plans.get(plan.store)
+        plans[plan.store] = weakref.ref(plan)
         return tuple(leaves)
 
     @staticmethod
