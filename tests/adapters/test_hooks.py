@@ -512,3 +512,22 @@ def test_stats_show_what_was_offloaded_and_summary_is_logged(
         store.close()
     lines = [r for r in caplog.records if r.name == "tierstore" and r.levelno == logging.INFO]
     assert any(f"{stats.puts} tensors" in r.getMessage() for r in lines), caplog.text
+
+
+def test_a_refused_enter_leaves_no_global_module_hook(store_factory: StoreFactory) -> None:
+    store = store_factory("host")
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = len(hooks)
+    block = tierstore.offload_activations(store)
+    with torch.autograd.graph.disable_saved_tensors_hooks("hooks are off here"):
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="hooks are off here"), block:
+                pass
+    assert len(hooks) == before
+    # The same object still works once hooks are allowed again.
+    x = torch.randn(64, 64, requires_grad=True)
+    with block:
+        loss = (x.exp() * 2).sum()
+    loss.backward()
+    assert x.grad is not None and torch.equal(x.grad, 2 * x.detach().exp())
+    assert len(hooks) == before

@@ -175,11 +175,17 @@ class offload_activations:
             if s is not None:
                 s.exclude_buffers(module)
 
-        hook = torch.nn.modules.module.register_module_forward_pre_hook(collect_buffers)
         # The pack hook holds the session; the graph's records hold it too, so it lives while
         # the block runs and while anything it stored lives.
         hooks = saved_tensors_hooks(session.pack, _unpack)
+        # First, so that a refusal (torch disables saved-tensor hooks under some compilers and
+        # checkpoint modes) leaves no global module hook behind.
         hooks.__enter__()
+        try:
+            hook = torch.nn.modules.module.register_module_forward_pre_hook(collect_buffers)
+        except BaseException:
+            hooks.__exit__(None, None, None)
+            raise
         self._active().append((hooks, hook))
         return self
 
