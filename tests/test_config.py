@@ -168,3 +168,67 @@ def test_replace_parses_like_overrides() -> None:
     assert cfg.host_bytes == 2048
     with pytest.raises(ConfigError, match="io_threads"):
         cfg.replace(io_threads=-1)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4.1GB", 4_100_000_000),
+        ("8.2MB", 8_200_000),
+        ("16.1KB", 16_100),
+        ("0.3KB", 300),
+        ("1.25GiB", 5 << 28),
+        ("2.000000000000000000001KB", None),
+        ("1.9999999999999999999GiB", None),  # a float reads it as 2 GiB
+        ("0.1B", None),
+        (".5KiB", 512),
+        ("5.", 5),
+        ("1." + "0" * 30 + "KB", 1000),
+    ],
+)
+def test_decimal_sizes_are_exact(text: str, expected: int | None) -> None:
+    """Decimals are read exactly, never through a float that rounds them."""
+    if expected is None:
+        with pytest.raises(ConfigError, match="whole number of bytes") as info:
+            parse_size(text, name="TIERSTORE_HOST_BYTES")
+        assert str(info.value).startswith(f"TIERSTORE_HOST_BYTES={text!r}")
+    else:
+        assert parse_size(text, name="X") == expected
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("TIERSTORE_IO_THREADS", "\u0668"),  # an Arabic-Indic eight
+        ("TIERSTORE_IO_THREADS", "1_6"),
+        ("TIERSTORE_IO_THREADS", "\uff18"),  # a fullwidth eight
+        ("TIERSTORE_IO_THREADS", "9" * 5000),  # past int()'s own 4300-digit limit
+        ("TIERSTORE_HOST_BYTES", "1_024"),
+        ("TIERSTORE_HOST_BYTES", "\u0668MiB"),
+        ("TIERSTORE_HOST_BYTES", "1" + "0" * 5000),
+    ],
+)
+def test_numbers_take_only_ascii_digits(var: str, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.from_env({var: value})
+    assert str(info.value).startswith(f"{var}={value!r}")
+
+
+def test_integers_with_ascii_digits_and_spaces_are_fine() -> None:
+    assert StoreConfig.from_env({"TIERSTORE_IO_THREADS": " 16 "}).io_threads == 16
+    assert StoreConfig.from_env({}, io_threads="+4").io_threads == 4
+
+
+def test_a_disk_dir_keyword_is_one_path_even_with_a_colon(tmp_path: Path) -> None:
+    """Only the environment variable is split on ':'; a keyword string is one path."""
+    odd = tmp_path / "has:colon"
+    cfg = StoreConfig.from_env({}, disk_dir=str(odd))
+    assert cfg.disk_dirs == (odd,)
+    assert StoreConfig.from_env({}, disk_dir=odd).disk_dirs == (odd,)
+    many = StoreConfig.from_env({}, disk_dir=[str(odd), tmp_path / "b"])
+    assert many.disk_dirs == (odd, tmp_path / "b")
+    env = StoreConfig.from_env({"TIERSTORE_DISK_DIR": f"{tmp_path}/a:{tmp_path}/b"})
+    assert env.disk_dirs == (tmp_path / "a", tmp_path / "b")
+    for bad in ([str(odd), 3], [""], ""):
+        with pytest.raises(ConfigError, match="disk_dir="):
+            StoreConfig.from_env({}, disk_dir=bad)

@@ -12,7 +12,6 @@ raises the same :class:`~tierstore.errors.ConfigError` naming where it came from
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import tempfile
@@ -46,7 +45,11 @@ _UNITS: dict[str, int] = {
     "gib": GiB,
     "tib": 1 << 40,
 }
-_SIZE_RE = re.compile(r"^\s*([+-]?)\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+_SIZE_RE = re.compile(r"\s*([+-]?)\s*([0-9]*)(?:\.([0-9]*))?\s*([A-Za-z]*)\s*", flags=re.ASCII)
+# More digits than this cannot be a real size (2**63 has 19); refusing them early also keeps
+# int() away from its 4300-digit limit.
+_MAX_DIGITS = 40
+_INT_RE = re.compile(r"\s*[+-]?[0-9]+\s*", flags=re.ASCII)
 
 DirectIO = Literal["auto", "on", "off"]
 DiskFormat = Literal["raw", "zarr"]
@@ -57,6 +60,7 @@ def parse_size(value: str | int, *, name: str) -> int:
     """Parse a byte size such as ``4096``, ``"64MiB"``, ``"1.5 GB"`` or ``"unlimited"``.
 
     Units are KB/MB/GB/TB (powers of 10) and KiB/MiB/GiB/TiB (powers of 2), case-insensitive.
+    Decimals are exact (``"4.1GB"`` is 4100000000 bytes) and only ASCII digits count.
     ``"unlimited"`` (or ``"inf"``) means the largest representable size.
 
     Args:
@@ -64,50 +68,67 @@ def parse_size(value: str | int, *, name: str) -> int:
         name: the variable or keyword it came from, quoted in errors.
 
     Raises:
-        ConfigError: negative, fractional bytes, unknown unit, or more than 2**63-1 bytes.
+        ConfigError: negative, fractional bytes (``"1.9999999999999999999GiB"`` too), unknown
+            unit, not ASCII digits, or more than 2**63-1 bytes.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigError(f"{name}={value!r}: expected a byte size such as 4096 or '64MiB'")
     if isinstance(value, int):
-        number: float | int = value
-        text = str(value)
+        size = value
     else:
-        text = value
-        if text.strip().lower() in {"unlimited", "inf", "infinity"}:
+        if value.strip().lower() in {"unlimited", "inf", "infinity"}:
             return _MAX_SIZE
-        m = _SIZE_RE.match(text)
-        if m is None:
-            raise ConfigError(
-                f"{name}={text!r}: not a byte size; use an integer number of bytes or a number "
-                "with a unit KB/MB/GB/TB (powers of 10) or KiB/MiB/GiB/TiB (powers of 2)"
-            )
-        sign, digits, unit = m.groups()
-        if sign == "-":
-            raise ConfigError(f"{name}={text!r}: a size cannot be negative")
-        factor = _UNITS.get(unit.lower())
-        if factor is None:
-            raise ConfigError(
-                f"{name}={text!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB "
-                "or TiB"
-            )
-        number = int(digits) * factor if digits.isdigit() else float(digits) * factor
-    if isinstance(number, float) and (not math.isfinite(number) or number != int(number)):
-        raise ConfigError(f"{name}={text!r}: a size must be a whole number of bytes")
-    size = int(number)
+        size = _parse_size_text(value, name=name)
     if size < 0:
-        raise ConfigError(f"{name}={text!r}: a size cannot be negative")
+        raise ConfigError(f"{name}={value!r}: a size cannot be negative")
     if size > _MAX_SIZE:
-        raise ConfigError(f"{name}={text!r}: larger than 2**63-1 bytes; check the unit")
+        raise ConfigError(f"{name}={value!r}: larger than 2**63-1 bytes; check the unit")
     return size
 
 
+def _parse_size_text(text: str, *, name: str) -> int:
+    """The bytes ``text`` names, computed exactly: decimals never go through a float.
+
+    A float would reject ``4.1GB`` (4.1e9 is not exactly 4100000000.0 after the product) and
+    round ``1.9999999999999999999GiB`` up to 2 GiB, so the digits are read as an integer
+    numerator over a power of ten.
+    """
+    m = _SIZE_RE.fullmatch(text)
+    if m is None or not (m.group(2) or m.group(3)):
+        raise ConfigError(
+            f"{name}={text!r}: not a byte size; use an integer number of bytes or a number "
+            "with a unit KB/MB/GB/TB (powers of 10) or KiB/MiB/GiB/TiB (powers of 2)"
+        )
+    sign, whole, fraction, unit = m.groups()
+    fraction = fraction or ""
+    if sign == "-":
+        raise ConfigError(f"{name}={text!r}: a size cannot be negative")
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise ConfigError(
+            f"{name}={text!r}: unknown unit {unit!r}; use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+        )
+    if len(whole.lstrip("0")) > _MAX_DIGITS:
+        raise ConfigError(f"{name}={text!r}: larger than 2**63-1 bytes; check the unit")
+    fraction = fraction.rstrip("0")
+    if len(fraction) > _MAX_DIGITS:
+        raise ConfigError(f"{name}={text!r}: a size must be a whole number of bytes")
+    numerator = int(whole + fraction or "0") * factor
+    denominator = int(10 ** len(fraction))
+    if numerator % denominator:
+        raise ConfigError(f"{name}={text!r}: a size must be a whole number of bytes")
+    return numerator // denominator
+
+
 def _parse_int(value: str | int, *, name: str, low: int, high: int) -> int:
-    if isinstance(value, bool):
+    # Only ASCII digits: int() would also take "\u0668" (an Arabic-Indic eight) and "1_6".
+    if isinstance(value, bool) or not (
+        isinstance(value, int) or (isinstance(value, str) and _INT_RE.fullmatch(value))
+    ):
         raise ConfigError(f"{name}={value!r}: expected an integer from {low} to {high}")
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r}: expected an integer from {low} to {high}") from None
+    if isinstance(value, str) and len(value.strip().lstrip("+-").lstrip("0")) > _MAX_DIGITS:
+        raise ConfigError(f"{name}={value!r}: must be from {low} to {high}")
+    number = int(value)
     if not low <= number <= high:
         raise ConfigError(f"{name}={value!r}: must be from {low} to {high}")
     return number
@@ -122,10 +143,21 @@ def _parse_choice(value: str, *, name: str, choices: tuple[str, ...]) -> str:
 def _parse_dirs(
     value: str | os.PathLike[str] | tuple[str | os.PathLike[str], ...] | list[str], *, name: str
 ) -> tuple[Path, ...]:
-    if isinstance(value, (str, os.PathLike)):
-        parts: list[str | os.PathLike[str]] = [p for p in os.fspath(value).split(os.pathsep) if p]
+    """The spill directories ``value`` names.
+
+    Only the environment variable is split on ``os.pathsep``: a variable holds one string. A
+    keyword names one path, which may contain ``:``, or several as a list or tuple.
+    """
+    parts: list[str | os.PathLike[str]]
+    if isinstance(value, str) and name == ENV_PREFIX + "DISK_DIR":
+        parts = [p for p in value.split(os.pathsep) if p]
+    elif isinstance(value, (str, os.PathLike)):
+        parts = [value] if os.fspath(value) else []
     elif isinstance(value, (tuple, list)):
         parts = list(value)
+        bad = [p for p in parts if not isinstance(p, (str, os.PathLike)) or not os.fspath(p)]
+        if bad:
+            raise ConfigError(f"{name}={value!r}: {bad[0]!r} is not a directory path")
     else:
         raise ConfigError(f"{name}={value!r}: expected a directory or a list of directories")
     if not parts:

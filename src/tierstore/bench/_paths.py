@@ -126,7 +126,7 @@ def _store_path(disk_format: str, two_dirs: bool, steady: bool) -> PathFn:
             host_bytes=0,
             device_bytes=0,
             min_bytes=0,
-            disk_dir=os.pathsep.join(str(d) for d in dirs),
+            disk_dir=[str(d) for d in dirs],
             disk_format=disk_format,
             timeout=None,
         ) as store:
