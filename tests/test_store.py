@@ -719,3 +719,25 @@ def test_one_get_plans_a_step_of_prefetch_and_the_window_fills_behind_it(
     for h, t in zip(reversed(hs[:-1]), reversed(ts[:-1]), strict=True):
         assert torch.equal(store.get(h), t)
     assert store.stats().prefetch_misses == 1
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), -5, 0, float("nan"), "30", True, 2e9], ids=repr)
+def test_a_bad_timeout_is_refused_at_construction(disk_dir: Path, timeout: object) -> None:
+    """As every other knob: ConfigError naming it, before any directory is made."""
+    with pytest.raises(tierstore.ConfigError) as info:
+        TieredStore(disk_dir=disk_dir, timeout=timeout)  # type: ignore[arg-type]
+    assert str(info.value).startswith(f"timeout={timeout!r}: ")
+    with pytest.raises(tierstore.ConfigError, match="close_timeout="):
+        tierstore.AsyncTieredStore(disk_dir=disk_dir, close_timeout=timeout)  # type: ignore[arg-type]
+    assert list(disk_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("timeout", [None, 30, 0.5, 1e9])
+def test_good_timeouts_wait_and_close(make_store: MakeStore, timeout: float | None) -> None:
+    store = make_store(device_bytes=0, host_bytes=0, timeout=timeout)
+    h = store.put(torch.arange(1000.0))
+    wait_for(lambda: store.tier_of(h) is Tier.DISK)
+    assert torch.equal(store.get(h), torch.arange(1000.0))  # a get that waits for the disk
+    (spill,) = store.spill_dirs
+    store.close()
+    assert not Path(spill).exists()

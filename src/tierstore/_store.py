@@ -12,7 +12,7 @@ import torch
 
 from tierstore import _registry
 from tierstore._core import StoreCore
-from tierstore.config import StoreConfig
+from tierstore.config import StoreConfig, check_timeout
 from tierstore.errors import StoreClosedError, WrongThreadError
 
 if TYPE_CHECKING:
@@ -44,11 +44,12 @@ class AsyncTieredStore:
     Args:
         config: a :class:`StoreConfig`; by default read from the ``TIERSTORE_*`` environment.
         close_timeout: seconds :meth:`close` lets transfers finish before cancelling them
-            (default 60).
+            (default 60; a positive number up to 1e9).
         **overrides: fields of :class:`StoreConfig` (``host_bytes="64MiB"``, ...); they win.
 
     Raises:
-        ConfigError: a bad configuration value, named with its variable.
+        ConfigError: a bad configuration value, named with its variable, or a ``close_timeout``
+            that is not a positive, finite number of seconds.
 
     Attributes:
         config: the resolved :class:`~tierstore.StoreConfig`.
@@ -57,8 +58,10 @@ class AsyncTieredStore:
     def __init__(
         self, config: StoreConfig | None = None, *, close_timeout: float = 60.0, **overrides: object
     ) -> None:
+        seconds = check_timeout(close_timeout, name="close_timeout", allow_none=False)
+        assert seconds is not None
+        self._close_timeout = seconds
         self.config = resolve_config(config, overrides)
-        self._close_timeout = close_timeout
         self._core: StoreCore | None = None
         self._closed = False
 

@@ -20,6 +20,7 @@ import torch
 from tierstore import _registry
 from tierstore._core import StoreCore
 from tierstore._store import resolve_config
+from tierstore.config import check_timeout
 from tierstore.errors import StoreClosedError, StoreTimeoutError, WrongThreadError
 
 if TYPE_CHECKING:
@@ -47,12 +48,14 @@ class TieredStore:
 
     Args:
         config: a :class:`~tierstore.StoreConfig`; by default read from ``TIERSTORE_*``.
-        timeout: seconds a blocking call waits before raising ``StoreTimeoutError``
-            (default 300; ``None`` waits forever).
+        timeout: seconds a blocking call waits before raising ``StoreTimeoutError``, and
+            :meth:`close` lets transfers finish before cancelling them (default 300; ``None``
+            waits forever, and close then waits 60 s). A positive number up to 1e9.
         **overrides: fields of :class:`~tierstore.StoreConfig`; they win over the environment.
 
     Raises:
-        ConfigError: a bad configuration value, named with its variable.
+        ConfigError: a bad configuration value, named with its variable, or a ``timeout`` that
+            is not a positive, finite number of seconds or ``None``.
 
     Attributes:
         config: the resolved :class:`~tierstore.StoreConfig` (read-only; adapters read
@@ -70,9 +73,9 @@ class TieredStore:
         timeout: float | None = 300.0,
         **overrides: object,
     ) -> None:
+        self._timeout = check_timeout(timeout, name="timeout")
         self.config = resolve_config(config, overrides)
-        self._timeout = timeout
-        self._close_timeout = 60.0 if timeout is None else timeout
+        self._close_timeout = 60.0 if self._timeout is None else self._timeout
         self._closed = False
         self._start_lock = threading.Lock()
         self._core: StoreCore | None = None

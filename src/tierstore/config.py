@@ -12,6 +12,8 @@ raises the same :class:`~tierstore.errors.ConfigError` naming where it came from
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 import re
 import tempfile
@@ -22,7 +24,7 @@ from typing import Literal
 
 from tierstore.errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "StoreConfig", "parse_size"]
+__all__ = ["ENV_PREFIX", "MAX_TIMEOUT", "StoreConfig", "check_timeout", "parse_size"]
 
 ENV_PREFIX = "TIERSTORE_"
 
@@ -118,6 +120,36 @@ def _parse_size_text(text: str, *, name: str) -> int:
     if numerator % denominator:
         raise ConfigError(f"{name}={text!r}: a size must be a whole number of bytes")
     return numerator // denominator
+
+
+MAX_TIMEOUT = 1e9
+"""The longest timeout in seconds (about 31 years): waits far beyond it overflow the clocks
+that threads and event loops wait on. ``None`` waits forever instead."""
+
+
+def check_timeout(value: object, *, name: str, allow_none: bool = True) -> float | None:
+    """``value`` as seconds to wait: a positive, finite number, or ``None`` (forever).
+
+    Args:
+        value: what the caller passed.
+        name: the keyword it came from, quoted in errors.
+        allow_none: whether ``None`` (wait forever) is allowed.
+
+    Raises:
+        ConfigError: not a number (``"30"`` too), not positive, ``nan``, infinite or above
+            :data:`MAX_TIMEOUT`.
+    """
+    if value is None and allow_none:
+        return None
+    forever = "; pass None to wait forever" if allow_none else ""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name}={value!r}: expected a number of seconds{forever}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds <= 0:
+        raise ConfigError(f"{name}={value!r}: must be a positive number of seconds{forever}")
+    if seconds > MAX_TIMEOUT:
+        raise ConfigError(f"{name}={value!r}: must be at most {MAX_TIMEOUT:.0e} seconds{forever}")
+    return seconds
 
 
 def _parse_int(value: str | int, *, name: str, low: int, high: int) -> int:
