@@ -741,3 +741,31 @@ def test_good_timeouts_wait_and_close(make_store: MakeStore, timeout: float | No
     (spill,) = store.spill_dirs
     store.close()
     assert not Path(spill).exists()
+
+
+def test_copied_handles_are_the_handle_and_pickling_is_refused(make_store: MakeStore) -> None:
+    import copy
+    import pickle
+
+    store = make_store(device_bytes=0, host_bytes=0)
+    t = torch.randn(1000)
+    h = store.put(t)
+    for twin in (copy.copy(h), copy.deepcopy(h), copy.deepcopy({"h": [h]})["h"][0]):
+        assert twin is h
+        assert torch.equal(store.get(twin), t)
+    with pytest.raises(TypeError, match=r"cannot be pickled.*Pickle the tensor instead"):
+        pickle.dumps(h)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps([h], protocol=2)
+    assert store.state_of(h) is not TensorState.RELEASED
+    store.release(h)
+
+
+@pytest.mark.parametrize("call", ["release", "state_of", "tier_of", "get"])
+def test_what_is_not_a_handle_is_a_type_error(make_store: MakeStore, call: str) -> None:
+    store = make_store()
+    for bad in (None, 3, torch.ones(2)):
+        with pytest.raises(TypeError, match="expected a TensorHandle from put"):
+            getattr(store, call)(bad)
+    with pytest.raises(TypeError, match="expected a TensorHandle from put"):
+        store.prefetch([None])  # type: ignore[list-item]

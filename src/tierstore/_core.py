@@ -1093,8 +1093,10 @@ class StoreCore:
         """Release the handle's entry now (idempotent for handles of this store).
 
         Raises:
+            TypeError: ``handle`` is not a :class:`TensorHandle`.
             TensorReleasedError: the handle belongs to another store.
         """
+        _check_handle(handle)
         with self._lock:
             self._drain_dropped_locked()
             if handle._released:
@@ -1189,8 +1191,7 @@ class StoreCore:
     # ------------------------------------------------------------------ queries
 
     def _lookup(self, handle: TensorHandle) -> _Entry:
-        if not isinstance(handle, TensorHandle):
-            raise TypeError(f"expected a TensorHandle from put(), got {type(handle).__name__}")
+        _check_handle(handle)
         e = self._entries.get(handle.key)
         if e is None or e.handle_ref is None or e.handle_ref() is not handle:
             if handle._owner != self.token:
@@ -1204,8 +1205,10 @@ class StoreCore:
         """The entry's state (RELEASED once released).
 
         Raises:
+            TypeError: ``handle`` is not a :class:`TensorHandle`.
             TensorReleasedError: another store's handle.
         """
+        _check_handle(handle)
         with self._lock:
             self._drain_dropped_locked()
             if handle._released and handle._owner == self.token:
@@ -1386,6 +1389,11 @@ def _released(e: _Entry) -> bool:
     # A function, not an inline test: the state changes across the task's awaits, and an
     # inline test would let the type checker narrow it for the rest of the coroutine.
     return e.state is S.RELEASED
+
+
+def _check_handle(handle: object) -> None:
+    if not isinstance(handle, TensorHandle):
+        raise TypeError(f"expected a TensorHandle from put(), got {type(handle).__name__}")
 
 
 def _check_tensor(t: object) -> None:

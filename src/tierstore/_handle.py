@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn, SupportsIndex
+
 import torch
 
 __all__ = ["TensorHandle"]
@@ -12,6 +14,11 @@ class TensorHandle:
 
     The store keeps only a weak reference to each handle: when the last reference to a handle
     is dropped, its entry is released and every copy freed. Handles compare by identity.
+
+    ``copy.copy`` and ``copy.deepcopy`` return the handle itself: a second object could not
+    keep the entry alive, and the store would call it released. Pickling raises ``TypeError``:
+    a handle names an entry in this process's store, which another process (or a later
+    unpickling) cannot reach; ``get()`` the tensor and pickle that.
 
     Attributes:
         key: the entry's number, unique within its store.
@@ -39,6 +46,18 @@ class TensorHandle:
         self.nbytes = nbytes
         self._owner = owner
         self._released = False
+
+    def __copy__(self) -> TensorHandle:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> TensorHandle:
+        return self
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise TypeError(
+            f"{self!r} cannot be pickled: it refers to an entry of a store in this process. "
+            "Pickle the tensor instead (store.get(handle)), or keep the handle itself"
+        )
 
     @property
     def shape(self) -> torch.Size:

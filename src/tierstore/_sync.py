@@ -181,7 +181,12 @@ class TieredStore:
         self._live().prefetch_now(handles)
 
     def release(self, handle: TensorHandle) -> None:
-        """Free the entry now (also happens when the last reference to the handle goes)."""
+        """Free the entry now (also happens when the last reference to the handle goes).
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`~tierstore.TensorHandle`.
+            TensorReleasedError: another store's handle.
+        """
         self._live().release(handle)
 
     def tier_of(self, handle: TensorHandle) -> Tier:
@@ -189,7 +194,12 @@ class TieredStore:
         return self._live().tier_of(handle)
 
     def state_of(self, handle: TensorHandle) -> TensorState:
-        """The entry's :class:`~tierstore.TensorState`."""
+        """The entry's :class:`~tierstore.TensorState` (``RELEASED`` once released).
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`~tierstore.TensorHandle`.
+            TensorReleasedError: another store's handle.
+        """
         return self._live().state_of(handle)
 
     def stats(self) -> StoreStats:
