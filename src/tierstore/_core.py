@@ -260,6 +260,7 @@ class StoreCore:
         self._stats = _Counters()
         self._closed = False
         self._warned_no_room = False
+        self._warned_copy = False
         self._disk_failed_at: float | None = None
         # After ENOSPC (or a spill that found too little free space): the bytes that must be
         # free again before the disk tier is used (Note: [Disk full until space returns]).
@@ -539,12 +540,34 @@ class StoreCore:
             ref = _HandleRef(handle, self._handle_dead)
             ref.key = key
             e.handle_ref = ref
-            self._plan_down()
+            try:
+                self._plan_down(new=e)
+            except TierFullError:
+                self._unput_locked(e, handle)
+                self._plan_down()
+                del t  # Note: [A failed host copy keeps nothing]
+                raise
             waiter: cf.Future[None] | None = None
             if self._semaphore_full:
                 waiter = cf.Future()
                 self._put_waiters.append(waiter)
             return handle, waiter
+
+    def _unput_locked(self, e: _Entry, handle: TensorHandle) -> None:
+        """Undo the put of ``e`` that is raising: it leaves no entry, bytes or count behind."""
+        del self._entries[e.key]
+        self._live_keys.remove(e.key)
+        self._set_state(e, S.RELEASED)
+        self._set_data(e, None)
+        st = self._stats
+        st.puts -= 1
+        st.bytes_put -= e.nbytes
+        st.total_entries[Tier.DEVICE] -= 1
+        st.total_bytes[Tier.DEVICE] -= e.nbytes
+        handle._released = True
+        # The weak reference dies with the entry, so the handle's death queues no release.
+        e.handle_ref = None
+        e.ready = None
 
     def _free_room(self) -> int:
         cfg = self.config
@@ -590,8 +613,16 @@ class StoreCore:
             heapq.heappop(heap)
         return None
 
-    def _plan_down(self) -> None:
-        """Move the oldest entries of over-full tiers down (Note: [The cascade] in docs)."""
+    def _plan_down(self, new: _Entry | None = None) -> None:
+        """Move the oldest entries of over-full tiers down (Note: [The cascade] in docs).
+
+        Args:
+            new: the entry ``put`` is adding now, if any.
+
+        Raises:
+            TierFullError: the compact host copy of ``new`` could not be allocated (Note:
+                [A failed host copy keeps nothing]); the caller undoes its put.
+        """
         if self._closed:
             return  # close() is draining the transfers in flight; start no new ones
         cfg = self.config
@@ -606,7 +637,11 @@ class StoreCore:
                 heapq.heappop(self._heaps[Tier.DEVICE])
                 assert e.data is not None
                 if self._check_unchanged(e, e.data):
-                    host = compact(e.data)
+                    try:
+                        host = compact(e.data)
+                    except (RuntimeError, MemoryError) as exc:
+                        self._host_copy_failed(e, exc, new)
+                        break
                     if host is not e.data:
                         e.version = version_of(host)  # a copy of the store's own
                     self._set_state(e, S.MOVING_TO_HOST)
@@ -652,6 +687,45 @@ class StoreCore:
             for w in waiters:
                 if not w.done():
                     w.set_result(None)
+
+    def _host_copy_failed(self, e: _Entry, exc: BaseException, new: _Entry | None) -> None:
+        """The compact host copy of CPU entry ``e`` could not be made; it stays on DEVICE.
+
+        Note: [A failed host copy keeps nothing]
+            On the CPU the host tier holds the tensor itself, but a view is copied out of its
+            base first, so that the store does not keep a larger storage alive (DESIGN
+            invariant 2). That copy can fail for want of memory (a view of a 1 GiB base under
+            a tight ``RLIMIT_AS``). When it is the tensor being put, ``put`` raises
+            ``TierFullError`` and undoes itself: no entry, no counted bytes. Nor does the
+            error pin the view: a notebook keeps the last exception, and with it every frame
+            of its traceback, so the frames it passes drop the tensor before it leaves, and
+            the allocator's own traceback is cut from its cause. The adapters
+            then keep the tensor where it is, as for any full store. An older entry whose copy
+            fails stays in the device tier, holding the caller's view, and is tried again at
+            the next put; the cascade stops there for now.
+
+        Raises:
+            TierFullError: ``e`` is ``new``.
+        """
+        if e is new:
+            # The allocator's traceback holds the frame that held the view.
+            exc.__traceback__ = None
+            raise TierFullError(
+                f"no room in host memory for a {e.nbytes}-byte "
+                f"{str(e.dtype).removeprefix('torch.')} view: the store keeps a view as a "
+                "compact copy, so as not to keep the larger storage behind it alive, and "
+                f"allocating that copy failed ({exc}). Nothing was stored; free host memory, "
+                "or keep this tensor yourself"
+            ) from exc
+        heapq.heappush(self._heaps[Tier.DEVICE], e.key)
+        if not self._warned_copy:
+            self._warned_copy = True
+            log.warning(
+                "tierstore: copying %s into host memory failed (%s); it stays where it is and "
+                "is tried again at the next put (warned once)",
+                e.describe(),
+                exc,
+            )
 
     def _disk_has_room(self, footprint: int) -> bool:
         # Other processes share the disk: a spill that seems not to fit reads the space again.

@@ -13,7 +13,7 @@ import torch
 from tierstore import _registry
 from tierstore._core import StoreCore
 from tierstore.config import StoreConfig, check_timeout
-from tierstore.errors import StoreClosedError, WrongThreadError
+from tierstore.errors import StoreClosedError, TierFullError, WrongThreadError
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -99,7 +99,11 @@ class AsyncTieredStore:
     async def put(self, t: torch.Tensor) -> TensorHandle:
         """Store ``t``; see :meth:`tierstore.TieredStore.put`."""
         core = self._bound()
-        handle, waiter = core.put_now(t)
+        try:
+            handle, waiter = core.put_now(t)
+        except TierFullError:
+            del t  # Note: [A failed host copy keeps nothing] in _core.py
+            raise
         if waiter is not None:
             t0 = time.perf_counter()
             await asyncio.shield(asyncio.wrap_future(waiter))

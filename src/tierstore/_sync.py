@@ -21,7 +21,12 @@ from tierstore import _registry
 from tierstore._core import StoreCore
 from tierstore._store import resolve_config
 from tierstore.config import check_timeout
-from tierstore.errors import StoreClosedError, StoreTimeoutError, WrongThreadError
+from tierstore.errors import (
+    StoreClosedError,
+    StoreTimeoutError,
+    TierFullError,
+    WrongThreadError,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -144,7 +149,11 @@ class TieredStore:
             StoreClosedError: the store is closed.
         """
         core = self._live()
-        handle, waiter = core.put_now(t)
+        try:
+            handle, waiter = core.put_now(t)
+        except TierFullError:
+            del t  # Note: [A failed host copy keeps nothing] in _core.py
+            raise
         if waiter is not None:
             t0 = time.perf_counter()
             self._wait(waiter, "put")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -113,6 +114,103 @@ def test_autograd_and_inference_tensors_pass_through_as_plain_data(make_store: M
     out_y, out_z = (store.get(h) for h in hs)
     assert not out_y.requires_grad and out_y.grad_fn is None
     assert torch.equal(out_y, y.detach()) and torch.equal(out_z, z)
+
+
+COPY_FAILS = """
+    import gc, json, resource, torch, tierstore
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
+    def address_space():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * resource.getpagesize()
+
+    store = tierstore.TieredStore(disk_dir={disk_dir!r}, min_bytes=0)
+    base = torch.ones(64 << 20)  # 256 MiB
+    view = base[::2]  # 128 MiB, not contiguous: the store keeps a compact copy of it
+    with_base = rss()
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    # Too little address space left for the 128 MiB copy, enough for everything else.
+    resource.setrlimit(resource.RLIMIT_AS, (address_space() + (48 << 20), hard))
+    try:
+        store.put(view)
+    except Exception as exc:
+        err = exc  # kept, as a notebook keeps the last exception
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    del view, base
+    gc.collect()
+    st = store.stats()
+    store._core.audit()
+    print(json.dumps({{
+        "types": [c.__name__ for c in type(err).__mro__],
+        "message": str(err),
+        "freed": with_base - rss(),
+        "live": st.live_entries, "puts": st.puts, "device": st.device.bytes,
+        "host": st.host.bytes, "states": [e.state.name for e in store._core._entries.values()],
+    }}))
+    store.close()
+"""
+
+
+def test_a_view_whose_copy_cannot_be_allocated_is_refused_and_nothing_is_kept(
+    disk_dir: Path,
+) -> None:
+    """Note: [A failed host copy keeps nothing]: a real allocation failure, under RLIMIT_AS."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(COPY_FAILS.format(disk_dir=str(disk_dir)))],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["types"][:3] == ["TierFullError", "TierStoreError", "MemoryError"], out
+    assert "134217728-byte float32 view" in out["message"]
+    assert "Nothing was stored" in out["message"]
+    assert (out["live"], out["puts"], out["device"], out["host"], out["states"]) == (
+        0,
+        0,
+        0,
+        0,
+        [],
+    )
+    # The 256 MiB base left RSS although the error, and its traceback, are still alive.
+    assert out["freed"] > 200 << 20, out
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_an_older_view_whose_copy_fails_stays_on_its_device_until_memory_returns(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import tierstore._core as core_mod
+
+    store = make_store(device_bytes=8 * 4000, host_bytes=1 << 30)
+    base = torch.randn(8000)
+    old = store.put(base[::2])  # 16000 bytes, room on the device: no copy yet
+    real_compact = core_mod.compact
+    out_of_memory = True
+
+    def compact(t: torch.Tensor) -> torch.Tensor:
+        if out_of_memory and not t.is_contiguous():
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real_compact(t)
+
+    monkeypatch.setattr(core_mod, "compact", compact)
+    with caplog.at_level(logging.WARNING, logger="tierstore"):
+        new = [store.put(torch.randn(4000)) for _ in range(3)]  # push the old one down
+    assert store.state_of(old) is tierstore.TensorState.DEVICE  # kept, not lost
+    assert sum("copying tensor #1" in r.getMessage() for r in caplog.records) == 1
+    assert [store.state_of(h) for h in new] == [tierstore.TensorState.DEVICE] * 3
+    out_of_memory = False
+    new.append(store.put(torch.randn(4000)))  # the next put tries again
+    assert store.state_of(old) is tierstore.TensorState.HOST
+    assert torch.equal(store.get(old), base[::2])
+    store._core.audit()
 
 
 # --------------------------------------------------------------------------- disk directory
