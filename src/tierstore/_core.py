@@ -298,11 +298,13 @@ class StoreCore:
                 os.pathsep.join(map(str, cfg.disk_dirs)),
             )
         try:
-            self._spill_dirs = [SpillDirectory(p) for p in cfg.disk_dirs]
+            for p in cfg.disk_dirs:  # one by one: a failure removes those made before it
+                self._spill_dirs.append(SpillDirectory(p))
             self._engine = open_engine(tuple(d.path for d in self._spill_dirs), cfg)
         except BaseException:
             for d in self._spill_dirs:
                 d.remove()
+            self._spill_dirs = []
             raise
         self._disk_cap = cap
 

@@ -5,6 +5,18 @@ Note: [Liveness by flock]
     for its whole life. The kernel drops the lock when the process dies, SIGKILL included, so
     a directory whose lock can be taken belongs to nobody and is removed. Unlike a PID check
     this survives PID reuse and PID namespaces (containers sharing one disk).
+
+Note: [Starts and sweeps take turns]
+    Between ``mkdir`` of a new spill directory and the ``flock`` of its ``.lock`` there is a
+    moment when the directory exists but nobody holds its lock. Another process's start-up
+    sweep that looked then would take it for a dead process's directory and remove it under
+    the starting store (about one start in 300 when several processes started in one
+    directory at once). So both take a ``flock`` on the parent directory itself: a start
+    holds it shared from ``mkdir`` until its lock is held, a sweep holds it exclusive. Starts
+    run side by side; a sweep that finds a start under way skips this time, rather than
+    delaying it (the next start sweeps). Where the parent cannot be opened or locked (no read
+    permission, a filesystem without ``flock`` on directories), a sweep could not list it
+    either, or both go ahead as before.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from tierstore import _registry
@@ -29,57 +42,141 @@ log = logging.getLogger("tierstore")
 PREFIX = "tierstore-"
 _LOCK = ".lock"
 _NAME_ATTEMPTS = 16
+_VAR = "TIERSTORE_DISK_DIR"
+# The longest spill directory name: the prefix, a PID (at most 7 digits: PID_MAX_LIMIT is
+# 4194304), a dash and 8 hex digits.
+_DIR_NAME_MAX = len(PREFIX) + 7 + 1 + 8
+# Room kept for the longest path an engine makes inside a spill directory: the O_DIRECT probe's
+# scratch file is 33 characters, a zarr chunk of an 8-dimensional tensor about 60.
+_INSIDE_MAX = 128
 
 
 def check_parent(parent: Path) -> None:
     """Check that ``parent`` can hold spill directories.
 
     Raises:
-        ConfigError: it does not exist, is not a directory, or is not writable.
+        ConfigError: it does not exist, is not a directory, is not writable (or on a read-only
+            filesystem), or its path is so long that the files inside a spill directory would
+            pass the kernel's limit on a path (``PATH_MAX``, 4096 bytes on Linux).
     """
-    var = "TIERSTORE_DISK_DIR"
     try:
         st = os.stat(parent)
     except FileNotFoundError:
         raise ConfigError(
-            f"{var}={str(parent)!r}: does not exist; create it or point elsewhere"
+            f"{_VAR}={str(parent)!r}: does not exist; create it or point elsewhere"
         ) from None
     except OSError as exc:
         # An ancestor this user may not search (EACCES), a file in the path (ENOTDIR), ...
         raise ConfigError(
-            f"{var}={str(parent)!r}: cannot be accessed ({exc.strerror}); choose a directory "
+            f"{_VAR}={str(parent)!r}: cannot be accessed ({exc.strerror}); choose a directory "
             "this user can reach"
         ) from None
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{var}={str(parent)!r}: is not a directory")
+        raise ConfigError(f"{_VAR}={str(parent)!r}: is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
+        if _read_only(parent):
+            raise ConfigError(
+                f"{_VAR}={str(parent)!r}: is on a read-only filesystem; choose a writable directory"
+            )
         raise ConfigError(
-            f"{var}={str(parent)!r}: is not writable by this user; choose a directory you own"
+            f"{_VAR}={str(parent)!r}: is not writable by this user; choose a directory you own"
         )
+    limit = _path_max(parent)
+    longest = len(os.fsencode(parent)) + 1 + _DIR_NAME_MAX + 1 + _INSIDE_MAX
+    if longest >= limit:
+        raise ConfigError(
+            f"{_VAR}={str(parent)!r}: its path is {len(os.fsencode(parent))} bytes long, and "
+            f"the spill files inside would pass the system's limit of {limit - 1} bytes per "
+            f"path; choose a directory whose path is at most "
+            f"{limit - 1 - (longest - len(os.fsencode(parent)))} bytes long"
+        )
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _path_max(path: Path) -> int:
+    try:
+        return os.pathconf(path, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return 4096
+
+
+@contextlib.contextmanager
+def _parent_locked(parent: Path, *, sweep: bool) -> Iterator[bool]:
+    """Hold the parent directory's ``flock``; see Note: [Starts and sweeps take turns].
+
+    A start (``sweep=False``) waits for a shared lock; a sweep asks for an exclusive lock
+    without waiting. Yields whether the caller may go ahead: False only for a sweep while a
+    start is under way.
+    """
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if sweep else fcntl.LOCK_SH)
+        except OSError as exc:
+            yield not (sweep and exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN))
+        else:
+            yield True
+    finally:
+        os.close(fd)  # drops the lock
 
 
 class SpillDirectory:
     """A private directory (mode 0700) for this process's spill files, locked while alive."""
 
     def __init__(self, parent: Path) -> None:
+        """Create the directory and take its lock.
+
+        Raises:
+            ConfigError: ``parent`` is unusable (see :func:`check_parent`), or the directory
+                cannot be made there (no space or inodes left, ...); nothing is left behind.
+        """
         check_parent(parent)
-        # mkdir fails if the name exists, so a pre-created directory or symlink is never
-        # used; a taken name (planted by someone guessing it, or a PID reused after a crash)
-        # just costs another random name.
-        for attempt in range(_NAME_ATTEMPTS):
-            self.path = parent / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self._lock_fd: int | None = None
+        with _parent_locked(parent, sweep=False):
+            # mkdir fails if the name exists, so a pre-created directory or symlink is never
+            # used; a taken name (planted by someone guessing it, or a PID reused after a
+            # crash) just costs another random name.
+            for attempt in range(_NAME_ATTEMPTS):
+                self.path = parent / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+                try:
+                    os.mkdir(self.path, 0o700)
+                    break
+                except FileExistsError:
+                    if attempt == _NAME_ATTEMPTS - 1:
+                        raise
+                except OSError as exc:
+                    raise self._cannot_create(parent, exc) from None
+            _registry.track(self)  # from now on, exit and SIGTERM remove it
             try:
-                os.mkdir(self.path, 0o700)
-                break
-            except FileExistsError:
-                if attempt == _NAME_ATTEMPTS - 1:
-                    raise
-        os.chmod(self.path, 0o700)
-        self._lock_fd: int | None = os.open(
-            self.path / _LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600
+                os.chmod(self.path, 0o700)
+                self._lock_fd = os.open(
+                    self.path / _LOCK,
+                    os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600,
+                )
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BaseException as exc:
+                self.forget()
+                shutil.rmtree(self.path, ignore_errors=True)
+                if isinstance(exc, OSError):
+                    raise self._cannot_create(parent, exc) from None
+                raise
+
+    def _cannot_create(self, parent: Path, exc: OSError) -> ConfigError:
+        return ConfigError(
+            f"{_VAR}={str(parent)!r}: cannot create the spill directory {self.path.name!r} there "
+            f"({exc.strerror}); free space there or choose another directory"
         )
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _registry.track(self)
 
     def remove(self) -> None:
         """Delete the directory and everything in it; safe to call twice."""
@@ -104,8 +201,17 @@ def sweep_stale(parent: Path) -> list[Path]:
     """Remove spill directories under ``parent`` whose process is gone; return what was removed.
 
     Only directories owned by this user and named like ours are touched; a live process's
-    directory is locked and left alone (see Note: [Liveness by flock]).
+    directory is locked and left alone (see Note: [Liveness by flock]), and so is one a
+    process is creating (Note: [Starts and sweeps take turns]).
     """
+    with _parent_locked(parent, sweep=True) as may_sweep:
+        if not may_sweep:
+            log.debug("tierstore: a store is starting in %s; not sweeping it this time", parent)
+            return []
+        return _sweep(parent)
+
+
+def _sweep(parent: Path) -> list[Path]:
     removed: list[Path] = []
     try:
         names = os.listdir(parent)

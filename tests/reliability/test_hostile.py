@@ -361,6 +361,153 @@ def test_filesystem_without_o_direct_is_refused_when_direct_io_is_on(tmp_path: P
         _umount(mnt)
 
 
+def _mount(mnt: Path, *args: str) -> None:
+    """``mount *args mnt`` as root, or skip the test saying why."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a test filesystem needs root")
+    mnt.mkdir(exist_ok=True)
+    proc = subprocess.run(["mount", *args, str(mnt)], capture_output=True, text=True, check=False)
+    if proc.returncode:
+        pytest.skip(f"mount refused here: {proc.stderr.strip()}")
+
+
+def test_a_read_only_mount_is_refused_and_info_reports_it(tmp_path: Path) -> None:
+    mnt = tmp_path / "ro"
+    _mount(mnt, "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs")
+    try:
+        with pytest.raises(ConfigError, match="is on a read-only filesystem") as info:
+            TieredStore(disk_dir=mnt)
+        assert str(info.value).startswith(f"TIERSTORE_DISK_DIR={str(mnt)!r}")
+        proc = subprocess.run(
+            [sys.executable, "-m", "tierstore", "info"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": SRC, "TIERSTORE_DISK_DIR": str(mnt)},
+            timeout=120,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        assert f"spill directory {mnt}:" in proc.stdout
+        assert "O_DIRECT no (opening a file with O_DIRECT: Read-only file system" in proc.stdout
+    finally:
+        _umount(mnt)
+
+
+def test_the_o_direct_probe_never_raises_and_removes_only_its_own_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without root: the errors a read-only mount and an over-long path give, injected."""
+    import errno
+
+    from tierstore.tiers._raw import probe_direct_io
+
+    real_open, real_unlink = os.open, os.unlink
+    unlinked: list[str] = []
+    for code in (errno.EROFS, errno.ENAMETOOLONG, errno.EEXIST):
+
+        def refuse(path: str, *args: object, code: int = code, **kw: object) -> int:
+            if ".tierstore-probe-" in os.fspath(path):
+                raise OSError(code, os.strerror(code), path)
+            return real_open(path, *args, **kw)  # type: ignore[arg-type]
+
+        def unlink(path: str, *args: object, code: int = code, **kw: object) -> None:
+            unlinked.append(os.fspath(path))
+            raise OSError(code, os.strerror(code), path)
+
+        monkeypatch.setattr(os, "open", refuse)
+        monkeypatch.setattr(os, "unlink", unlink)
+        probe = probe_direct_io(tmp_path)
+        monkeypatch.setattr(os, "open", real_open)
+        monkeypatch.setattr(os, "unlink", real_unlink)
+        assert not probe.supported
+        assert os.strerror(code) in probe.reason
+    # The scratch name was never ours when it already existed: that file is left alone.
+    assert len(unlinked) == 2
+
+
+def _long_dir(root: Path, length: int) -> Path:
+    """A directory under ``root`` whose absolute path is exactly ``length`` bytes long."""
+    path = str(root)
+    while len(path) < length:
+        part = min(200, length - len(path) - 1)
+        path = os.path.join(path, "d" * part)
+    assert len(path) == length
+    os.makedirs(path, exist_ok=True)
+    return Path(path)
+
+
+@pytest.mark.parametrize("length", [3950, 4040, 4050, 4060, 4066, 4070])
+def test_a_disk_dir_too_long_for_its_spill_files_is_refused_and_leaves_nothing(
+    tmp_path: Path, length: int
+) -> None:
+    parent = _long_dir(tmp_path, length)
+    with pytest.raises(ConfigError, match="per path; choose a directory whose path") as info:
+        TieredStore(disk_dir=parent, host_bytes=0, min_bytes=0)
+    assert str(info.value).startswith(f"TIERSTORE_DISK_DIR={str(parent)!r}: its path is")
+    assert list(parent.iterdir()) == []
+
+
+def test_the_longest_accepted_disk_dir_spills_for_real(tmp_path: Path) -> None:
+    probe = _long_dir(tmp_path / "probe", 4000)
+    with pytest.raises(ConfigError) as info:
+        TieredStore(disk_dir=probe)
+    longest = int(str(info.value).rsplit("at most ", 1)[1].split()[0])
+    parent = _long_dir(tmp_path / "ok", longest)
+    for fmt in ("raw", "zarr"):
+        with TieredStore(disk_dir=parent, host_bytes=0, min_bytes=0, disk_format=fmt) as store:
+            t = torch.randn(MiB // 4 + 3)
+            h = store.put(t)
+            wait_for(lambda h=h: store.tier_of(h) is tierstore.Tier.DISK)  # type: ignore[misc]
+            assert torch.equal(store.get(h), t)
+            assert store.stats().write_errors == 0
+    assert list(parent.iterdir()) == []
+
+
+SWEEP = """
+    import sys
+    from pathlib import Path
+    from tierstore._spilldir import sweep_stale
+    print(len(sweep_stale(Path(sys.argv[1]))))
+"""
+
+
+def test_a_start_is_never_swept_by_another_starting_process(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [Starts and sweeps take turns]: another process sweeps in the gap between the
+    new ``.lock`` and its ``flock``, as a slow ``flock`` in the starting process lets it."""
+    import fcntl
+
+    real_flock = fcntl.flock
+    sweeps: list[str] = []
+
+    def slow_flock(fd: int, operation: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/.lock") and not sweeps:
+            proc = subprocess.run(
+                [sys.executable, "-c", textwrap.dedent(SWEEP), str(disk_dir)],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONPATH": SRC},
+                timeout=120,
+                check=False,
+            )
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            sweeps.append(proc.stdout.strip())
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", slow_flock)
+    with TieredStore(disk_dir=disk_dir, host_bytes=0, min_bytes=0) as store:
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        assert sweeps == ["0"], "the other process removed a directory"
+        (spill,) = store.spill_dirs
+        assert Path(spill).is_dir()
+        h = store.put(torch.arange(1000.0))
+        wait_for(lambda: store.tier_of(h) is tierstore.Tier.DISK)
+        assert torch.equal(store.get(h), torch.arange(1000.0))
+    assert list(disk_dir.iterdir()) == []
+
+
 # --------------------------------------------------------------------------- environment
 
 

@@ -144,18 +144,31 @@ class DirectIOProbe:
 
 
 def probe_direct_io(directory: Path) -> DirectIOProbe:
-    """Try O_DIRECT in ``directory`` with a scratch file: open, write a page, read it back.
+    """Do in ``directory``, on a scratch file, what the engine will do with O_DIRECT.
 
-    Some filesystems (tmpfs) refuse the open; others accept it and fail on the first transfer,
-    which is why a page is written and read. The scratch file is removed.
+    The file is opened with O_DIRECT and a page is written and read back. Some filesystems
+    (ramfs) refuse the open; others accept it and fail on the first transfer. A full disk
+    (ENOSPC, EDQUOT) cannot tell, and does not count against O_DIRECT.
+
+    Never raises: a directory where the scratch file cannot be made (read-only, a path too
+    long) is reported as not supporting O_DIRECT, with the reason. The scratch file is removed.
     """
     if not _O_DIRECT:
         return DirectIOProbe(str(directory), False, "this platform has no O_DIRECT")
     path = os.path.join(directory, f".tierstore-probe-{os.getpid()}-{secrets.token_hex(4)}")
     buf = mmap.mmap(-1, PAGE)
     fd = -1
+    step = "opening a file with O_DIRECT"
+    made = True
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_DIRECT, 0o600)
+        try:
+            fd = os.open(
+                path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _O_DIRECT, 0o600
+            )
+        except FileExistsError:
+            made = False  # someone else's file: never remove it
+            raise
+        step = "writing and reading a page"
         view = memoryview(buf)
         try:
             os.pwrite(fd, view, 0)
@@ -163,12 +176,17 @@ def probe_direct_io(directory: Path) -> DirectIOProbe:
         finally:
             view.release()
     except OSError as e:
-        return DirectIOProbe(str(directory), False, f"{e.strerror} (errno {e.errno})")
+        if fd >= 0 and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return DirectIOProbe(str(directory), True, f"ok (no space to test {step})")
+        return DirectIOProbe(str(directory), False, f"{step}: {e.strerror} (errno {e.errno})")
     finally:
         if fd >= 0:
             os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        if made:
+            # ramfs makes the file before it refuses the flag; a read-only filesystem or a
+            # path too long for the kernel never made it, and says so with its own errno.
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         buf.close()
     return DirectIOProbe(str(directory), True, "ok")
 
