@@ -265,6 +265,8 @@ class StoreCore:
         # After ENOSPC (or a spill that found too little free space): the bytes that must be
         # free again before the disk tier is used (Note: [Disk full until space returns]).
         self._disk_need = 0
+        # The last write error other than ENOSPC/EDQUOT while the disk tier pauses after it.
+        self._disk_error: str | None = None
         # Spill bytes of released entries whose delete has not run yet: free for planning.
         self._deleting = 0
         # Released entries whose I/O is still finishing: their bytes still count.
@@ -519,13 +521,12 @@ class StoreCore:
             nbytes = t.numel() * t.element_size()
             movable = nbytes >= self.config.min_bytes and nbytes > 0
             if movable and nbytes > self._free_room():
-                off = "" if self._disk_usable() else " (disk tier unavailable: write error or full)"
+                off, advice = self._disk_advice()
                 raise TierFullError(
                     f"no tier has room for a {nbytes}-byte {str(t.dtype).removeprefix('torch.')} "
                     f"tensor: device {self._used[Tier.DEVICE]}/{self.config.device_bytes}, "
                     f"host {self._used[Tier.HOST]}/{self.config.host_bytes}, "
-                    f"disk {self._used[Tier.DISK]}/{self._disk_cap} bytes used{off}; "
-                    "raise TIERSTORE_HOST_BYTES or TIERSTORE_DISK_BYTES, or release tensors"
+                    f"disk {self._used[Tier.DISK]}/{self._disk_cap} bytes used{off}; {advice}"
                 )
             key = next(self._keys)
             e = _Entry(key, t, movable)
@@ -554,6 +555,28 @@ class StoreCore:
                 waiter = cf.Future()
                 self._put_waiters.append(waiter)
             return handle, waiter
+
+    def _disk_advice(self) -> tuple[str, str]:
+        """Why the disk tier takes nothing now (or ``""``), and what to do about a full store.
+
+        A disk that fails its writes is not fixed by a bigger ``TIERSTORE_DISK_BYTES``; the
+        error says what failed instead.
+        """
+        if self._disk_usable():
+            return "", "raise TIERSTORE_HOST_BYTES or TIERSTORE_DISK_BYTES, or release tensors"
+        if self._engine is None:
+            return "", "raise TIERSTORE_HOST_BYTES, or release tensors"
+        if self._disk_error is not None:
+            return (
+                f" (disk tier unavailable: paused after a write error: {self._disk_error})",
+                "fix what the write error names (see the warning logged with it), raise "
+                "TIERSTORE_HOST_BYTES, or release tensors",
+            )
+        return (
+            f" (disk tier unavailable: full until {self._disk_need} bytes are free under "
+            f"{os.pathsep.join(map(str, self.config.disk_dirs))})",
+            "free disk space, raise TIERSTORE_HOST_BYTES, or release tensors",
+        )
 
     def _unput_locked(self, e: _Entry, handle: TensorHandle) -> None:
         """Undo the put of ``e`` that is raising: it leaves no entry, bytes or count behind."""
@@ -600,6 +623,7 @@ class StoreCore:
             return False
         self._disk_failed_at = None
         self._disk_need = 0
+        self._disk_error = None
         if failed_at is not None:
             log.info("tierstore: retrying the disk tier after an earlier failure")
         return True
@@ -839,6 +863,8 @@ class StoreCore:
             self._disk_need = max(footprint, 1)
             until = "until that much space is free again"
         else:
+            detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self._disk_error = f"{why}: {detail}" if why else detail
             until = f"for {_DISK_RETRY_SECONDS:.0f}s"
         log.warning(
             "tierstore: writing %s to disk failed (%s%s); it stays in memory and the disk tier "

@@ -82,6 +82,30 @@ def test_failed_write_keeps_the_tensor_in_host_memory(make_store: MakeStore, cod
     assert faulty.written == set()
 
 
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.ENOSPC], ids=["EINVAL", "ENOSPC"])
+def test_tier_full_says_why_the_disk_takes_nothing_and_what_to_do(
+    make_store: MakeStore, free_space: dict[str, int | None], code: int
+) -> None:
+    """A disk that fails its writes is not helped by a bigger TIERSTORE_DISK_BYTES."""
+    store = make_store(device_bytes=0, host_bytes=MiB)
+    faulty = install(store)
+    faulty.fail_writes(OSError(code, f"growing spill.raw by 67108864 bytes: {os.strerror(code)}"))
+    hs = [store.put(_pattern(MiB // 8, i)) for i in range(3)]
+    wait_for(lambda: faulty.failed_writes == 1 and settled(store), what="a failed write")
+    free_space["free"] = 0
+    with pytest.raises(TierFullError, match="disk tier unavailable") as info:
+        store.put(_pattern(MiB // 8, 9))
+    msg = str(info.value)
+    if code == errno.EINVAL:
+        assert "paused after a write error: EINVAL: growing spill.raw" in msg, msg
+        assert "fix what the write error names" in msg and "TIERSTORE_DISK_BYTES" not in msg
+    else:
+        assert "full until" in msg and "free disk space" in msg, msg
+        assert "TIERSTORE_DISK_BYTES" not in msg
+    for i, h in enumerate(hs):
+        assert torch.equal(store.get(h), _pattern(MiB // 8, i))
+
+
 def test_enospc_makes_disk_unavailable_until_space_returns(
     make_store: MakeStore, free_space: dict[str, int | None]
 ) -> None:

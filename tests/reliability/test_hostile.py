@@ -371,6 +371,101 @@ def _mount(mnt: Path, *args: str) -> None:
         pytest.skip(f"mount refused here: {proc.stderr.strip()}")
 
 
+def _ext2(tmp_path: Path) -> Path:
+    """A loop-mounted ext2: it takes O_DIRECT but has no fallocate, which glibc then emulates
+    by writing a byte into each block, and O_DIRECT refuses that (EINVAL)."""
+    if shutil.which("mkfs.ext2") is None:
+        pytest.skip("mkfs.ext2 is not installed")
+    image = tmp_path / "ext2.img"
+    with open(image, "wb") as f:
+        f.truncate(96 * MiB)
+    made = subprocess.run(
+        ["mkfs.ext2", "-q", "-F", "-m", "0", str(image)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if made.returncode:
+        pytest.skip(f"mkfs.ext2 failed: {made.stderr.strip()}")
+    mnt = tmp_path / "ext2"
+    _mount(mnt, "-o", "loop", str(image))
+    fd = os.open(mnt / "probe", os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, 8192)
+    except OSError:
+        return mnt
+    finally:
+        os.close(fd)
+        os.unlink(mnt / "probe")
+    _umount(mnt)
+    pytest.skip("this kernel's ext2 grows an O_DIRECT file with fallocate; nothing to test")
+
+
+def test_a_filesystem_without_fallocate_spills_buffered_in_auto_mode(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    mnt = _ext2(tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            store = TieredStore(disk_dir=mnt, host_bytes=0, min_bytes=0, io_chunk_bytes="2MiB")
+        try:
+            warned = [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()]
+            assert len(warned) == 1 and "posix_fallocate" in warned[0], warned
+            tensors = [torch.randn(n) for n in (MiB + 5, 1000, 3 * MiB // 4)]  # 4 MiB, 4 KB, 3 MiB
+            hs = [store.put(t) for t in tensors]
+            wait_for(lambda: all(store.tier_of(h) is tierstore.Tier.DISK for h in hs))
+            for h, t in zip(hs, tensors, strict=True):
+                assert torch.equal(store.get(h), t)
+            st = store.stats()
+            assert st.write_errors == 0 and st.disk_available, st
+        finally:
+            store.close()
+        assert list(mnt.iterdir()) == [mnt / "lost+found"]
+    finally:
+        _umount(mnt)
+
+
+def test_a_filesystem_without_fallocate_is_refused_when_direct_io_is_on(tmp_path: Path) -> None:
+    mnt = _ext2(tmp_path)
+    try:
+        with pytest.raises(ConfigError, match=r"refuses O_DIRECT.*posix_fallocate"):
+            TieredStore(disk_dir=mnt, direct_io="on")
+        assert list(mnt.iterdir()) == [mnt / "lost+found"]
+    finally:
+        _umount(mnt)
+
+
+def test_the_probe_grows_its_file_as_the_engine_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without root: posix_fallocate refusing O_DIRECT files (EINVAL), as on ext2."""
+    import errno
+    import fcntl
+
+    from tierstore.tiers._raw import probe_direct_io
+
+    real_fallocate = os.posix_fallocate
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        real_fallocate(fd, offset, length)
+
+    if not probe_direct_io(tmp_path).supported:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT already")
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    probe = probe_direct_io(tmp_path)
+    assert not probe.supported
+    assert probe.reason == "growing it with posix_fallocate: Invalid argument (errno 22)"
+    assert list(tmp_path.iterdir()) == []
+    with TieredStore(disk_dir=tmp_path, host_bytes=0, min_bytes=0) as store:
+        t = torch.randn(3 * MiB)
+        h = store.put(t)
+        wait_for(lambda: store.tier_of(h) is tierstore.Tier.DISK)
+        assert torch.equal(store.get(h), t)
+        assert store.stats().write_errors == 0
+
+
 def test_a_read_only_mount_is_refused_and_info_reports_it(tmp_path: Path) -> None:
     mnt = tmp_path / "ro"
     _mount(mnt, "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs")

@@ -138,7 +138,7 @@ class DirectIOProbe:
     directory: str
     """The directory probed."""
     supported: bool
-    """An O_DIRECT open, page write and page read all succeeded."""
+    """An O_DIRECT open, ``posix_fallocate``, page write and page read all succeeded."""
     reason: str
     """Why not (the OS error), or ``"ok"``."""
 
@@ -146,8 +146,11 @@ class DirectIOProbe:
 def probe_direct_io(directory: Path) -> DirectIOProbe:
     """Do in ``directory``, on a scratch file, what the engine will do with O_DIRECT.
 
-    The file is opened with O_DIRECT and a page is written and read back. Some filesystems
-    (ramfs) refuse the open; others accept it and fail on the first transfer. A full disk
+    The file is opened with O_DIRECT, grown with ``posix_fallocate`` as a spill file is, and
+    a page is written and read back. Some filesystems (ramfs) refuse the open; others accept
+    it and fail on the first transfer. Where the filesystem has no ``fallocate`` (ext2), glibc
+    emulates it by writing a byte into each block, which O_DIRECT refuses (EINVAL): there the
+    open and a page of I/O succeed, but the engine could never grow a spill file. A full disk
     (ENOSPC, EDQUOT) cannot tell, and does not count against O_DIRECT.
 
     Never raises: a directory where the scratch file cannot be made (read-only, a path too
@@ -168,6 +171,8 @@ def probe_direct_io(directory: Path) -> DirectIOProbe:
         except FileExistsError:
             made = False  # someone else's file: never remove it
             raise
+        step = "growing it with posix_fallocate"
+        os.posix_fallocate(fd, 0, 2 * PAGE)
         step = "writing and reading a page"
         view = memoryview(buf)
         try:
