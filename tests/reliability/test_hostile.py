@@ -20,6 +20,7 @@ import textwrap
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -464,6 +465,118 @@ def test_the_probe_grows_its_file_as_the_engine_does(
         wait_for(lambda: store.tier_of(h) is tierstore.Tier.DISK)
         assert torch.equal(store.get(h), t)
         assert store.stats().write_errors == 0
+
+
+def _fill(directory: Path) -> Path:
+    """Fill the filesystem under ``directory`` until ENOSPC, as another program would."""
+    import errno
+
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for block in (b"\0" * MiB, b"\0" * 4096):
+            while True:
+                try:
+                    f.write(block)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC
+                    break
+    return filler
+
+
+def test_striped_directories_with_one_full_spill_to_the_other(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Note: [A full directory is skipped]: no write error, one warning, every tensor on disk."""
+    full, roomy = tmp_path / "full", tmp_path / "roomy"
+    _mount(full, "-t", "tmpfs", "-o", "size=16m", "tmpfs")
+    try:
+        _mount(roomy, "-t", "tmpfs", "-o", "size=160m", "tmpfs")
+        try:
+            filler = _fill(full)
+            with caplog.at_level(logging.WARNING, logger="tierstore"):
+                store = TieredStore(
+                    disk_dir=[full, roomy], host_bytes=0, min_bytes=0, io_chunk_bytes="1MiB"
+                )
+                try:
+                    # 2.5 MiB tensors (three chunks each, striped) and 64 KiB ones (packs).
+                    tensors = [torch.randn(5 * MiB // 8 + i) for i in range(16)]
+                    tensors += [torch.randn(16384 + i) for i in range(24)]
+                    hs = [store.put(t) for t in tensors]  # no TierFullError
+                    wait_for(lambda: all(store.tier_of(h) is tierstore.Tier.DISK for h in hs))
+                    st = store.stats()
+                    assert st.write_errors == 0 and st.disk_available, st
+                    for h, t in zip(hs, tensors, strict=True):
+                        assert torch.equal(store.get(h), t)
+                    warned = [r.getMessage() for r in caplog.records]
+                    assert len(warned) == 1, warned
+                    assert f"spill directory {full}" in warned[0] and "is full" in warned[0]
+                    # Room again in the full one: its chunks go there again.
+                    filler.unlink()
+                    more = [torch.randn(5 * MiB // 8 + i) for i in range(4)]
+                    hs += [store.put(t) for t in more]
+                    # (The gets above prefetched older ones back: only the new ones are asked.)
+                    wait_for(lambda: all(store.tier_of(h) is tierstore.Tier.DISK for h in hs[-4:]))
+                    (spill_full, _) = store.spill_dirs
+                    assert (Path(spill_full) / "spill.raw").stat().st_size > 0
+                    for h, t in zip(hs[-4:], more, strict=True):
+                        assert torch.equal(store.get(h), t)
+                    assert store.stats().write_errors == 0
+                finally:
+                    store.close()
+            assert list(full.iterdir()) == [] and list(roomy.iterdir()) == []
+        finally:
+            _umount(roomy)
+    finally:
+        _umount(full)
+
+
+def test_a_full_striped_directory_is_skipped_without_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same with ENOSPC injected: growing the first directory's spill file fails."""
+    import errno
+
+    from tierstore.tiers import _raw
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    real_fallocate, real_free = os.posix_fallocate, _raw._SpillFile.free_space
+    full = {"a": True}
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if full["a"] and os.readlink(f"/proc/self/fd/{fd}").startswith(f"{a}/"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fallocate(fd, offset, length)
+
+    def free_space(self: Any) -> int:
+        inside_a = str(self.path).startswith(f"{a}/")
+        return 0 if full["a"] and inside_a else real_free(self)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(_raw._SpillFile, "free_space", free_space)
+    with caplog.at_level(logging.WARNING, logger="tierstore"):
+        store = TieredStore(disk_dir=[a, b], host_bytes=0, min_bytes=0, io_chunk_bytes="1MiB")
+        try:
+            tensors = [torch.randn(5 * MiB // 8 + i) for i in range(6)]
+            tensors += [torch.randn(16384 + i) for i in range(6)]
+            hs = [store.put(t) for t in tensors]
+            wait_for(lambda: all(store.tier_of(h) is tierstore.Tier.DISK for h in hs))
+            assert store.stats().write_errors == 0
+            assert [r.getMessage().split(" is full")[0] for r in caplog.records] == [
+                f"tierstore: spill directory {store.spill_dirs[0]}"
+            ]
+            spill_a = Path(store.spill_dirs[0]) / "spill.raw"
+            assert spill_a.stat().st_size == 0
+            full["a"] = False  # space came back
+            more = torch.randn(5 * MiB // 8)
+            hs.append(store.put(more))
+            wait_for(lambda: store.tier_of(hs[-1]) is tierstore.Tier.DISK)
+            assert spill_a.stat().st_size > 0
+            for h, t in zip(hs, [*tensors, more], strict=True):
+                assert torch.equal(store.get(h), t)
+        finally:
+            store.close()
 
 
 def test_a_read_only_mount_is_refused_and_info_reports_it(tmp_path: Path) -> None:

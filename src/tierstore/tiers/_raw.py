@@ -261,6 +261,17 @@ class _SpillFile:
         self.direct = direct
         self.extents = _Extents()
         self.grow_lock = threading.Lock()
+        self.full = False
+        """The last growth failed with ENOSPC/EDQUOT (Note: [A full directory is skipped])."""
+        self.warned_full = False
+
+    def free_space(self) -> int:
+        """Bytes the filesystem of this file's directory has free for this user."""
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
 
     def grow_and_alloc(self, nbytes: int) -> int | None:
         """Grow the file if it still lacks ``nbytes`` free, then allocate them (on an I/O thread).
@@ -702,9 +713,34 @@ class RawEngine(DiskEngine):
         on_disk = [_pad(chunk_lead + length) for _, length, chunk_lead in cuts]
         first = self._next_dir
         self._next_dir = (first + len(cuts)) % n_dirs
+        rotation = [(first + k) % n_dirs for k in range(n_dirs)]
+        while True:
+            order = self._with_room(rotation, max(on_disk, default=0))
+            try:
+                return await self._place_on(order, size, lead, cuts, on_disk)
+            except _DirectoryFull as full:
+                rotation.remove(full.index)
+                self._mark_full(full.index, full.error, bool(rotation))
+                if not rotation:
+                    raise full.error from None
+
+    async def _place_on(
+        self,
+        order: list[int],
+        size: int,
+        lead: int,
+        cuts: list[tuple[int, int, int]],
+        on_disk: list[int],
+    ) -> _Blob:
+        """Stripe the chunks over the directories ``order`` names, chunk ``i`` in
+        ``order[i % len(order)]``, and allocate one extent in each.
+
+        Raises:
+            _DirectoryFull: a directory's spill file could not grow for want of space.
+        """
         per_dir: dict[int, list[int]] = {}
         for i in range(len(cuts)):
-            per_dir.setdefault((first + i) % n_dirs, []).append(i)
+            per_dir.setdefault(order[i % len(order)], []).append(i)
         blob = _Blob(size, [], [], [0] * len(cuts), lead)
         offsets: dict[int, int] = {}
         try:
@@ -714,7 +750,12 @@ class RawEngine(DiskEngine):
                 offset = f.extents.alloc(need)
                 while offset is None:
                     # See Note: [One growth for many waiting writers].
-                    offset = await self._grow(f, need)
+                    try:
+                        offset = await self._grow(f, need)
+                    except OSError as e:
+                        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                            raise _DirectoryFull(d, e) from e
+                        raise
                 blob.extents.append((f, offset, need))
                 at = offset
                 for i in indices:
@@ -724,10 +765,47 @@ class RawEngine(DiskEngine):
             self._free(blob)
             raise
         blob.chunks = [
-            _Chunk(self._files[(first + i) % n_dirs], offsets[i], start, length, chunk_lead)
+            _Chunk(self._files[order[i % len(order)]], offsets[i], start, length, chunk_lead)
             for i, (start, length, chunk_lead) in enumerate(cuts)
         ]
         return blob
+
+    def _with_room(self, rotation: list[int], least: int) -> list[int]:
+        """The directories of ``rotation`` worth trying for a blob, in order.
+
+        Note: [A full directory is skipped]
+            Striped directories fill up on their own: one disk can be full while another has
+            room. A spill file that cannot grow for want of space (ENOSPC, EDQUOT) marks its
+            directory full, with one warning, and the blob is placed again over the other
+            directories, so it goes where there is room; only when every directory is full
+            does the write fail with ENOSPC (the store then keeps the tensor in memory until
+            the space returns). A full directory is tried again once its filesystem has room
+            for a chunk, or its spill file has free extents for one; until then its chunks
+            go to the others. The store's free-space check sums every directory, and a full
+            one adds about nothing to that sum.
+        """
+        order = []
+        for d in rotation:
+            f = self._files[d]
+            if f.full and (f.extents.free_bytes >= least or f.free_space() >= least):
+                f.full = False
+                log.info("tierstore: spill directory %s has room again", f.path.parent)
+            if not f.full:
+                order.append(d)
+        # All full: try them all anyway (the space may be back); the error then says so.
+        return order or list(rotation)
+
+    def _mark_full(self, index: int, error: OSError, others: bool) -> None:
+        f = self._files[index]
+        f.full = True
+        if others and not f.warned_full:
+            f.warned_full = True
+            log.warning(
+                "tierstore: spill directory %s is full (%s); spilling to the other "
+                "directories until it has room again (warned once)",
+                f.path.parent,
+                error.strerror or error,
+            )
 
     async def _grow(self, f: _SpillFile, need: int) -> int | None:
         fut = asyncio.get_running_loop().run_in_executor(self._pool, f.grow_and_alloc, need)
@@ -839,14 +917,24 @@ class RawEngine(DiskEngine):
                 self._pack_due()
 
     async def _place_pack(self, items: list[_PackItem]) -> list[_Packed]:
-        """One extent for the whole pack, in the next directory; each blob owns a piece of it."""
-        f = self._files[self._next_dir]
-        self._next_dir = (self._next_dir + 1) % len(self._files)
+        """One extent for the whole pack, in the next directory with room (Note: [A full
+        directory is skipped]); each blob owns a piece of it."""
+        n_dirs = len(self._files)
+        first = self._next_dir
+        self._next_dir = (first + 1) % n_dirs
         total = sum(_pad(it.src.numel()) for it in items)
-        offset = f.extents.alloc(total)
-        while offset is None:
-            # See Note: [One growth for many waiting writers].
-            offset = await self._grow(f, total)
+        rotation = [(first + k) % n_dirs for k in range(n_dirs)]
+        while True:
+            (d, *_) = self._with_room(rotation, total)
+            try:
+                blob = await self._place_on([d], total, 0, [(0, total, 0)], [total])
+                break
+            except _DirectoryFull as full:
+                rotation.remove(full.index)
+                self._mark_full(full.index, full.error, bool(rotation))
+                if not rotation:
+                    raise full.error from None
+        (f, offset, _) = blob.extents[0]
         blobs = []
         for it in items:
             n = it.src.numel()
@@ -1045,6 +1133,15 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine, Sequence
 
     _ChunkFn = Callable[[_Blob, int, memoryview, int, torch.Tensor], None]
+
+
+class _DirectoryFull(Exception):
+    """The spill file of directory ``index`` could not grow: ``error`` is the ENOSPC/EDQUOT."""
+
+    def __init__(self, index: int, error: OSError) -> None:
+        super().__init__(index, error)
+        self.index = index
+        self.error = error
 
 
 class _Waiter:
