@@ -1,7 +1,9 @@
 """Crashes and exits, each in a subprocess with a timeout: nothing hangs, nothing is left behind.
 
 The subprocesses spill for real (host tier 0) and print their spill directory, then a marker
-once transfers are in flight, so every signal lands in the middle of I/O, not after it.
+once transfers are in flight, so every signal lands in the middle of I/O, not after it. They
+put tensors of 1 MiB, which the disk tier writes in packs, and of 3 MiB and 4 bytes, which it
+writes alone in several chunks (``BIG``), so an exit or a signal finds both kinds in flight.
 """
 
 from __future__ import annotations
@@ -23,18 +25,22 @@ from tierstore._spilldir import PREFIX
 TESTS = Path(__file__).resolve().parents[1]
 SRC = str(TESTS.parent / "src")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(TESTS)])}
+# Elements of a float32 tensor past 1 MiB that does not end on a page: 3 MiB and 4 bytes.
+BIG = (3 << 18) + 1
 
 # A training-like loop: put activations (spilled at once), get and drop the older ones.
 HEAVY_LOOP = """
     import sys, torch, tierstore
     store = tierstore.TieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
-                                  min_bytes=0, max_inflight_bytes="64MiB")
+                                  min_bytes=0, max_inflight_bytes="64MiB", io_chunk_bytes="1MiB")
     print(store.spill_dirs[0], flush=True)
     {setup}
     marked = False
     step = 0
     while True:
-        hs = [store.put(torch.full((1 << 20,), float(step))) for _ in range(8)]  # 8 x 4 MiB
+        # 8 x 4 MiB, each written alone in four chunks, and 4 x 64 KiB, written in packs
+        hs = [store.put(torch.full((1 << 20,), float(step))) for _ in range(8)]
+        hs += [store.put(torch.full((1 << 14,), float(step))) for _ in range(4)]
         if not marked and store.stats().inflight_bytes:
             print("IN_FLIGHT", flush=True)
             marked = True
@@ -152,11 +158,11 @@ SLOW_EXIT = """
     import sys, time, torch, tierstore
     from reliability.faults import install
     store = tierstore.TieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
-                                  min_bytes=0, timeout={timeout})
+                                  min_bytes=0, timeout={timeout}, io_chunk_bytes="1MiB")
     faulty = install(store)
     {slow}
     print(store.spill_dirs[0], flush=True)
-    hs = [store.put(torch.full((1 << 18,), float(i))) for i in range(8)]
+    hs = [store.put(torch.full((1 << 18 if i % 2 else {big},), float(i))) for i in range(8)]
     assert store.stats().inflight_bytes > 0, "nothing pending at exit"
     print("PENDING", faulty.writes, flush=True)
     # fall off the end of the script with writes still pending and handles alive
@@ -174,7 +180,7 @@ SLOW_EXIT = """
 def test_exit_with_io_pending_finishes_or_cancels_without_hanging(
     disk_dir: Path, slow: str, timeout: int, expect: str
 ) -> None:
-    code = SLOW_EXIT.format(disk_dir=str(disk_dir), slow=slow, timeout=timeout)
+    code = SLOW_EXIT.format(disk_dir=str(disk_dir), slow=slow, timeout=timeout, big=BIG)
     t0 = time.monotonic()
     proc = _run(code)
     elapsed = time.monotonic() - t0
@@ -200,7 +206,7 @@ BLOCKED_PUT = """
     faulty = install(store)
     faulty.write_gate = threading.Event()  # the disk never answers
     print(store.spill_dirs[0], flush=True)
-    hs = [store.put(torch.ones(1 << 18))]  # 1 MiB in flight: the semaphore is full
+    hs = [store.put(torch.ones({big}))]  # 3 MiB in flight: the semaphore is full
     print("IN_FLIGHT", flush=True)
     hs.append(store.put(torch.ones(1 << 18)))  # blocks on backpressure until the signal
     print("NOT_BLOCKED", flush=True)
@@ -211,7 +217,7 @@ BLOCKED_PUT = """
 def test_signal_while_put_waits_on_backpressure_does_not_hang(
     disk_dir: Path, sig: signal.Signals
 ) -> None:
-    proc = _start(BLOCKED_PUT.format(disk_dir=str(disk_dir)))
+    proc = _start(BLOCKED_PUT.format(disk_dir=str(disk_dir), big=BIG))
     spill = _spill_dir_and_wait_in_flight(proc)
     time.sleep(0.3)  # let the main thread block inside put()
     proc.send_signal(sig)
@@ -242,7 +248,8 @@ ASYNC_EXIT = """
         faulty = install(store)
         faulty.write_delay = 0.3
         print(store._core.spill_dirs[0], flush=True)
-        hs = [await store.put(torch.full((1 << 18,), float(i))) for i in range(6)]
+        hs = [await store.put(torch.full((1 << 18 if i % 2 else {big},), float(i)))
+              for i in range(6)]
         assert store._core.stats().inflight_bytes > 0
         print("PENDING", flush=True)
         return hs  # the loop ends with writes pending and the store never closed
@@ -253,7 +260,7 @@ ASYNC_EXIT = """
 
 def test_async_store_left_open_when_its_loop_ends_exits_cleanly(disk_dir: Path) -> None:
     # install() needs a TieredStore-like object; AsyncTieredStore has the same _core.
-    proc = _run(ASYNC_EXIT.format(disk_dir=str(disk_dir)))
+    proc = _run(ASYNC_EXIT.format(disk_dir=str(disk_dir), big=BIG))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[1] == "PENDING"
@@ -269,7 +276,7 @@ DROPPED_SYNC = """
     def step():
         store = tierstore.TieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
                                       min_bytes=0)
-        hs = [store.put(torch.full((1 << 18,), float(i))) for i in range(4)]
+        hs = [store.put(torch.full((1 << 18 if i % 2 else {big},), float(i))) for i in range(4)]
         print(store.spill_dirs[0], flush=True)
         return hs  # the store itself is dropped, never closed
 
@@ -279,7 +286,7 @@ DROPPED_SYNC = """
 
 
 def test_sync_store_dropped_without_close_leaves_nothing_at_exit(disk_dir: Path) -> None:
-    proc = _run(DROPPED_SYNC.format(disk_dir=str(disk_dir)))
+    proc = _run(DROPPED_SYNC.format(disk_dir=str(disk_dir), big=BIG))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not Path(proc.stdout.splitlines()[0]).exists()
     assert list(disk_dir.iterdir()) == []

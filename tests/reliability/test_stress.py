@@ -89,6 +89,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------- 8-thread stress
 
 
+# Sizes the stress threads put: small ones (packs, page edges), and ones past 1 MiB that the
+# disk tier writes alone, in several chunks (1 MiB chunks in that run), at odd lengths.
+SMALL_SIZES = [1, 4095, 4096, 4097, 64 * KiB, 200 * KiB]
+BIG_SIZES = [4097, 64 * KiB, MiB + 4097, 2 * MiB + MiB // 2 + 3, 3 * MiB]
+
+
 def _worker(
     store: TieredStore,
     seed: int,
@@ -96,6 +102,7 @@ def _worker(
     errors: list[BaseException],
     kept: dict[int, list[tuple[Any, torch.Tensor]]],
     faults: bool,
+    sizes: list[int],
 ) -> None:
     rng = random.Random(seed)
     mine: list[tuple[Any, torch.Tensor]] = []
@@ -103,9 +110,7 @@ def _worker(
         for i in range(ops):
             op = rng.random()
             if op < 0.35 or not mine:
-                t = _tensor(
-                    seed * 100_000 + i, rng.choice([1, 4095, 4096, 4097, 64 * KiB, 200 * KiB])
-                )
+                t = _tensor(seed * 100_000 + i, rng.choice(sizes))
                 try:
                     mine.append((store.put(t), t))
                 except TierFullError:
@@ -140,18 +145,31 @@ def _worker(
     kept[seed] = mine
 
 
+@pytest.mark.parametrize("big", [False, True], ids=["small", "over-1MiB"])
 @pytest.mark.parametrize("faults", [False, True], ids=["clean", "with-io-faults"])
 def test_eight_threads_thousands_of_random_calls(
-    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, faults: bool
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, faults: bool, big: bool
 ) -> None:
     monkeypatch.setattr(core_mod, "_DISK_RETRY_SECONDS", 0.01)
-    store = make_store(
-        device_bytes=0,
-        host_bytes=MiB,
-        prefetch_bytes=512 * KiB,
-        max_inflight_bytes=512 * KiB,
-        disk_bytes=64 * MiB,
-    )
+    if big:
+        ops, sizes = 150, BIG_SIZES
+        store = make_store(
+            device_bytes=0,
+            host_bytes=4 * MiB,
+            prefetch_bytes=6 * MiB,
+            max_inflight_bytes=6 * MiB,
+            disk_bytes=1024 * MiB,
+            io_chunk_bytes=MiB,
+        )
+    else:
+        ops, sizes = 400, SMALL_SIZES
+        store = make_store(
+            device_bytes=0,
+            host_bytes=MiB,
+            prefetch_bytes=512 * KiB,
+            max_inflight_bytes=512 * KiB,
+            disk_bytes=64 * MiB,
+        )
     faulty = install(store)
     if faults:
         # Fail every 7th write and every 5th read (deterministic, across threads).
@@ -176,7 +194,7 @@ def test_eight_threads_thousands_of_random_calls(
     errors: list[BaseException] = []
     kept: dict[int, list[tuple[Any, torch.Tensor]]] = {}
     threads = [
-        threading.Thread(target=_worker, args=(store, seed, 400, errors, kept, faults))
+        threading.Thread(target=_worker, args=(store, seed, ops, errors, kept, faults, sizes))
         for seed in range(8)
     ]
     # A deadlock becomes a failure with every thread's stack, not a hung CI job.
@@ -208,8 +226,10 @@ def test_eight_threads_thousands_of_random_calls(
                 break
             except SpillIOError:
                 assert faults
-    assert st.puts > 600 and st.gets > 600, st
+    assert st.puts > 1.5 * ops and st.gets > 1.5 * ops, st
     assert st.bytes_to_disk > 2 * MiB and st.bytes_from_disk > MiB // 2, st  # the disk worked
+    if big:
+        assert st.bytes_to_disk > 64 * MiB and st.bytes_from_disk > 16 * MiB, st
     if faults:
         assert st.write_errors > 0 and st.read_errors > 0
     del live, kept, h, t
@@ -247,17 +267,22 @@ class StoreMachine(RuleBasedStateMachine):
         first=st.lists(st.integers(1024, 50_000), min_size=4, max_size=10),
     )
     def open_store(self, device: int, host: int, prefetch: int, first: list[int]) -> Any:
+        return self._open(device, host, prefetch, first)
+
+    def _open(
+        self, device: int, host: int, prefetch: int, first: list[int], **settings: object
+    ) -> Any:
         # A short pause after a write error keeps sequences with faults quick.
         self.saved_retry = core_mod._DISK_RETRY_SECONDS
         core_mod._DISK_RETRY_SECONDS = 0.01
+        settings = {"max_inflight_bytes": 64 * KiB, "disk_bytes": 16 * MiB, **settings}
         self.store = TieredStore(
             disk_dir=self.dir,
             device_bytes=device,
             host_bytes=host,
             prefetch_bytes=prefetch,
-            max_inflight_bytes=64 * KiB,
             min_bytes=1024,
-            disk_bytes=16 * MiB,
+            **settings,
         )
         self.faulty = install(self.store)
         # Start with a batch, so every sequence has entries moving through every tier.
@@ -285,6 +310,9 @@ class StoreMachine(RuleBasedStateMachine):
         nbytes=st.sampled_from([40000, 20000, 4097, 1024, 1000, 1, 0]),
     )
     def put(self, seed: int, nbytes: int) -> Any:
+        return self._put_until_admitted(seed, nbytes)
+
+    def _put_until_admitted(self, seed: int, nbytes: int) -> Any:
         for _attempt in range(1000):
             try:
                 return self._put(seed, nbytes)
@@ -361,6 +389,41 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(PROFILE, max_examples=30, stateful_step_count=30)
+
+
+class BigStoreMachine(StoreMachine):
+    """The same sequences with tensors past 1 MiB, which the disk tier writes alone (not in a
+    pack) and in several 1 MiB chunks, next to small ones."""
+
+    @initialize(
+        target=StoreMachine.handles,
+        device=st.sampled_from([0, 3 * MiB]),
+        host=st.sampled_from([0, 3 * MiB]),
+        prefetch=st.sampled_from([2 * MiB, 6 * MiB]),
+        first=st.lists(st.sampled_from([MiB + 4097, 2 * MiB + 3, 40000]), min_size=2, max_size=5),
+    )
+    def open_store(self, device: int, host: int, prefetch: int, first: list[int]) -> Any:
+        return self._open(
+            device,
+            host,
+            prefetch,
+            first,
+            io_chunk_bytes=MiB,
+            max_inflight_bytes=4 * MiB,
+            disk_bytes=256 * MiB,
+        )
+
+    @rule(
+        target=StoreMachine.handles,
+        seed=st.integers(0, 10**6),
+        nbytes=st.sampled_from([MiB + 4097, 2 * MiB + MiB // 2 + 3, 3 * MiB, 40000, 4097, 0]),
+    )
+    def put(self, seed: int, nbytes: int) -> Any:
+        return self._put_until_admitted(seed, nbytes)
+
+
+TestBigStoreMachine = BigStoreMachine.TestCase
+TestBigStoreMachine.settings = settings(PROFILE, max_examples=15, stateful_step_count=25)
 
 
 # --------------------------------------------------------------------------- round trips
