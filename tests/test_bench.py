@@ -22,6 +22,7 @@ def test_bench_runs_tiny_and_writes_the_json_schema(tmp_path: Path) -> None:
             sys.executable,
             "-m",
             "tierstore.bench",
+            "disk",
             "--sizes",
             "64KiB,1MiB",
             "--total",
@@ -120,7 +121,7 @@ def test_every_path_starts_with_the_free_heap_handed_back(
 ) -> None:
     """No path reads into memory an earlier one left in glibc's heap (Note: [Every path reads
     into new memory])."""
-    from tierstore.bench import __main__ as bench
+    from tierstore.bench import _disk as bench
     from tierstore.bench._paths import PATHS
 
     events: list[str] = []
@@ -135,3 +136,66 @@ def test_every_path_starts_with_the_free_heap_handed_back(
     argv = ["--sizes", "64KiB", "--total", "256KiB", "--repeats", "2", "--engines", "os,raw-engine"]
     assert bench.main([*argv, "--dir", str(tmp_path), "--no-progress"]) == 0
     assert events == ["trim", "os", "trim", "raw-engine"] * 2
+
+
+def _tiny_default_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default run's constants, shrunk so that it takes seconds."""
+    from tierstore.bench import __main__ as bench
+
+    monkeypatch.setattr(bench, "QUICK_SIZES", [64 << 10, 1 << 20])
+    monkeypatch.setattr(bench, "QUICK_TOTAL", 2 << 20)
+    monkeypatch.setattr(bench, "QUICK_REPEATS", 1)
+    monkeypatch.setattr(bench, "QUICK_MODES", ("none", "ts_disk"))
+    tiny = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "64", "--batch", "2"]
+    monkeypatch.setattr(
+        bench, "QUICK_TRAIN", [*tiny, "--vocab", "64", "--warmup", "1", "--steps", "1"]
+    )
+
+
+def test_the_default_run_answers_both_questions_and_draws_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    from tierstore.bench import __main__ as bench
+
+    _tiny_default_run(monkeypatch)
+    png, out = tmp_path / "b.png", tmp_path / "b.json"
+    argv = ["--dir", str(tmp_path), "--plot", str(png), "--json", str(out), "--no-progress"]
+    assert bench.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "How fast this store spills and reads back here" in text
+    assert "What offloading saves in a training step" in text
+    for label in ("no offloading", "tierstore, disk tier"):
+        assert label in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads(out.read_text())
+    assert {r["mode"] for r in data["train"]} == {"none", "ts_disk"}
+    assert {r["engine"] for r in data["disk"]} >= {"tierstore-raw-steady", "torch.save"}
+
+
+@pytest.mark.parametrize("command", [[], ["disk"]], ids=["default", "disk"])
+def test_a_plot_without_matplotlib_fails_at_once_with_the_install_hint(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: list[str],
+) -> None:
+    import sys
+
+    from tierstore.bench import __main__ as bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    argv = [*command, "--dir", str(tmp_path), "--plot", str(tmp_path / "b.png")]
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'tierstore[plot]'" in err
+    assert not (tmp_path / "b.png").exists()
+
+
+def test_full_runs_the_disk_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tierstore.bench import __main__ as bench
+
+    argv = ["--full", "--sizes", "64KiB", "--total", "256KiB", "--repeats", "1"]
+    argv += ["--engines", "tierstore-raw", "--dir", str(tmp_path), "--no-progress"]
+    assert bench.main(argv) == 0
+    assert "tierstore-raw" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""benchmarks/train_step.py runs tiny, every mode, and writes one JSON line per mode."""
+"""``tierstore-bench train`` runs tiny, every mode, and writes one JSON line per mode."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ def run_bench(
     return subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "train_step.py"),
+            "-m",
+            "tierstore.bench",
+            "train",
             "--device",
             "cpu",
             "--layers",

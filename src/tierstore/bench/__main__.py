@@ -1,425 +1,178 @@
-"""``tierstore-bench``: tierstore's disk tier against the disk's own limit and the alternatives.
+"""``tierstore-bench``: how fast the store spills to this disk, and what offloading saves.
 
-Example:
-    tierstore-bench --sizes 1MiB,16MiB --total 256MiB --repeats 3 --json out.json --plot out.png
+    tierstore-bench                 # about two minutes: both answers, a table, and a PNG
+    tierstore-bench --full          # the whole disk sweep (15-20 minutes)
+    tierstore-bench disk [...]      # the disk sweep with its own options (--help)
+    tierstore-bench train [...]     # the training-step benchmark with its own options (--help)
 
-Every measurement pushes ``--total`` bytes of tensors of one size through one path, writes
-them, then reads them back newest first. The paths, all in one run:
+The default run answers the two questions a user comes with:
 
-* ``raw-limit``: fio with O_DIRECT, 1 MiB blocks, 16 in flight (dd where fio is absent),
-  writing a new file; ``raw-limit-overwrite``: the same writes over the file just written;
-* ``tierstore-raw``, ``tierstore-raw-2dirs``, ``tierstore-zarr``: a ``TieredStore`` with no
-  host tier, so every tensor spills, through ``put``/``get`` (the 2dirs variant stripes over
-  ``--dir`` and ``--dir2``); ``tierstore-raw-steady`` and ``tierstore-raw-2dirs-steady``: the
-  same tensors again through the same store once the first round is released, as in every
-  training step after the first (Note: [First spill and steady state] in ``_paths.py``);
-* ``raw-engine``: the raw engine without the store around it;
-* ``torch.save``: one ``torch.save``/``torch.load`` file per tensor, as axolotl's offloader;
-* ``aiofiles``: whole-file writes and ``readinto`` reads, 16 in flight;
-* ``os``: plain ``os.write``/``os.readv`` of whole files.
-
-Buffered paths are fsync'd and their files evicted from the page cache before reading; the
-output says how. Every path starts with the heap's free memory handed back to the OS, so each
-reads into new memory (Note: [Every path reads into new memory]). GB/s means 10**9 bytes per
-second.
+1. How fast does the store spill and read back on this disk, against the disk's own limit
+   (fio or dd with O_DIRECT) and against ``torch.save``/``torch.load``? Tensors of 1 MiB and
+   64 MiB, 512 MiB of each, through a store whose host tier is empty, three times each.
+2. How much memory does offloading save in a training step, and at what cost in step time?
+   A small decoder (4 blocks, width 256, batch 4, sequence 512) trains in a fresh process per
+   mode: plain, ``torch.utils.checkpoint``, and tierstore's host tier, disk tier and
+   offloaded checkpoint. Each mode's gradients are first checked against plain training; a
+   mode that differs is refused, not reported.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import shutil
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from tierstore._malloc import trim_now
-from tierstore.bench._paths import PATHS, Context, Timing
-from tierstore.bench._system import PageCache, RawLimit, machine_facts, measure_raw_limit
-from tierstore.config import StoreConfig, parse_size
+from tierstore.bench import _disk, train
+from tierstore.bench._plot import PlotUnavailableError, plot_summary, require_matplotlib
+from tierstore.bench._progress import progress_bar
 
 __all__ = ["main"]
 
-Row = dict[str, Any]
-"""One result: engine, op, size_bytes, gbps_min, gbps_median, gbps_max."""
-
-DEFAULT_SIZES = "64KiB,1MiB,16MiB,256MiB"
-DEFAULT_TOTAL = "2GiB"
-DEFAULT_ENGINES = ("raw-limit", *PATHS)
-MAX_TENSORS = 4096
-"""At most this many tensors per measurement, so small sizes do not take minutes per file path."""
-
-RATIOS = (
-    ("tierstore-raw", "write", "raw-limit"),
-    ("tierstore-raw", "read", "raw-limit"),
-    ("tierstore-raw-steady", "write", "raw-limit-overwrite"),
-    ("tierstore-raw-steady", "read", "raw-limit"),
-    ("tierstore-raw", "write", "torch.save"),
-    ("tierstore-raw", "read", "torch.save"),
-    ("tierstore-raw-steady", "write", "torch.save"),
-    ("tierstore-raw-steady", "read", "torch.save"),
-    ("raw-engine", "write", "raw-limit"),
-    ("raw-engine", "read", "raw-limit"),
-)
-"""(ours, op, reference) pairs whose median ratios the table ends with. The steady round's
-writes compare with fio overwriting its file (Note: [First spill and steady state]); every
-torch.save round writes new files, in training as here."""
-
-
-def _size_name(n: int) -> str:
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= factor and n % factor == 0:
-            return f"{n // factor}{unit}"
-    return f"{n}B"
-
-
-class Progress:
-    """A one-line progress bar on stderr (no dependency)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total = max(1, total)
-        self.done = 0
-        self.enabled = enabled
-        self.t0 = time.perf_counter()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        width = 30
-        filled = width * self.done // self.total
-        bar = "#" * filled + "." * (width - filled)
-        elapsed = time.perf_counter() - self.t0
-        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:6.1f}s {label:<40.40}")
-        sys.stderr.flush()
-
-    def finish(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+MiB = 1 << 20
+QUICK_SIZES = [1 * MiB, 64 * MiB]
+QUICK_TOTAL = 512 * MiB
+QUICK_REPEATS = 3
+QUICK_ENGINES = ["raw-limit", "tierstore-raw", "torch.save"]
+QUICK_TRAIN = [
+    "--layers", "4", "--dim", "256", "--heads", "4", "--seq", "512", "--batch", "4",
+    "--warmup", "1", "--steps", "3",
+]  # fmt: skip
+QUICK_MODES = ("none", "torch_ckpt", "ts_host", "ts_disk", "ts_ckpt")
+LABELS = {
+    "none": "no offloading",
+    "save_on_cpu": "torch save_on_cpu",
+    "torch_ckpt": "torch.utils.checkpoint",
+    "ts_host": "tierstore, host tier",
+    "ts_disk": "tierstore, disk tier",
+    "ts_ckpt": "tierstore.checkpoint, disk",
+}
+DEFAULT_PLOT = Path("tierstore-bench.png")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tierstore-bench",
-        description="Measure tierstore's disk tier against the raw disk and the alternatives.",
+        description=__doc__.splitlines()[0].strip("`"),
+        epilog="Subcommands: 'disk' (the disk sweep) and 'train' (the training-step "
+        "benchmark) take their own options; see 'tierstore-bench disk --help'.",
     )
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"tensor sizes (default {DEFAULT_SIZES})")
+    p.add_argument("--full", action="store_true", help="run the whole disk sweep instead")
+    p.add_argument("--dir", type=Path, help="where to spill (default: TIERSTORE_DISK_DIR's first)")
+    p.add_argument("--json", type=Path, help="write every figure as JSON here")
     p.add_argument(
-        "--total",
-        default=DEFAULT_TOTAL,
-        help=f"bytes per measurement (default {DEFAULT_TOTAL}; at most {MAX_TENSORS} tensors)",
+        "--plot", type=Path, default=DEFAULT_PLOT, help=f"the PNG to write (default {DEFAULT_PLOT})"
     )
-    p.add_argument("--repeats", type=int, default=3, help="repeats per measurement (default 3)")
-    p.add_argument(
-        "--engines",
-        default=",".join(DEFAULT_ENGINES),
-        help=f"comma-separated paths to measure (default all: {','.join(DEFAULT_ENGINES)})",
-    )
-    p.add_argument(
-        "--dir",
-        type=Path,
-        default=None,
-        help="where to run (default: the first TIERSTORE_DISK_DIR directory)",
-    )
-    p.add_argument(
-        "--dir2",
-        type=Path,
-        default=None,
-        help="second directory for the striping figure (default: a second directory under --dir)",
-    )
-    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
-    p.add_argument("--plot", type=Path, default=None, help="draw GB/s against size (matplotlib)")
+    p.add_argument("--no-plot", action="store_true", help="write no PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
-def _stats(values: list[float]) -> tuple[float, float, float]:
-    return min(values), statistics.median(values), max(values)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; return the exit status."""
+    """Run ``tierstore-bench``; return the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["disk"]:
+        return _disk.main(argv[1:])
+    if argv[:1] == ["train"]:
+        return train.main(argv[1:])
+    if "--full" in argv:
+        argv.remove("--full")
+        return _disk.main(argv)
     args = _parser().parse_args(argv)
-    sizes = [parse_size(s, name="--sizes") for s in args.sizes.split(",") if s.strip()]
-    total = parse_size(args.total, name="--total")
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = [e for e in engines if e not in DEFAULT_ENGINES]
-    if unknown or not sizes or args.repeats < 1 or any(s <= 0 for s in sizes):
-        _parser().error(
-            f"unknown engine(s) {unknown}; known: {', '.join(DEFAULT_ENGINES)}"
-            if unknown
-            else "need at least one positive size and --repeats >= 1"
-        )
-    base = args.dir if args.dir is not None else StoreConfig.from_env().disk_dirs[0]
-    base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="tierstore-bench-", dir=base))
+    plot = None if args.no_plot else args.plot
     try:
-        d1 = work / "dir1"
-        d1.mkdir(mode=0o700)
-        if args.dir2 is not None:
-            args.dir2.mkdir(parents=True, exist_ok=True)
-            d2 = Path(tempfile.mkdtemp(prefix="tierstore-bench-", dir=args.dir2))
-        else:
-            d2 = work / "dir2"
-            d2.mkdir(mode=0o700)
-        try:
-            return _run(args, sizes, total, engines, d1, d2)
-        finally:
-            if args.dir2 is not None:
-                shutil.rmtree(d2, ignore_errors=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if plot is not None:
+            require_matplotlib()  # before minutes of measuring, not after
+        return _quick(args, plot)
+    except PlotUnavailableError as exc:
+        print(f"tierstore-bench: {exc}", file=sys.stderr)
+        return 2
 
 
-def _run(
-    args: argparse.Namespace,
-    sizes: list[int],
-    total: int,
-    engines: list[str],
-    d1: Path,
-    d2: Path,
-) -> int:
-    from tierstore.tiers._raw import probe_direct_io
-
-    cache = PageCache()
-    ctx = Context(d1, d2, cache)
-    paths = [e for e in engines if e != "raw-limit"]
-    steps = args.repeats * len(sizes) * (len(paths) + ("raw-limit" in engines))
-    progress = Progress(steps, enabled=not args.no_progress)
-    write: dict[tuple[str, int], list[float]] = {}
-    read: dict[tuple[str, int], list[float]] = {}
-    cached: dict[str, list[int]] = {}
-    us_per_tensor: dict[str, list[float]] = {}
-    summaries: dict[str, str] = {}
-    limits: list[RawLimit] = []
-
-    limit_by_size: dict[int, list[RawLimit]] = {}
-    for size in sizes:
-        # One size at a time, so only its tensors are in memory; the raw limit is measured
-        # next to the paths it is compared with, in each repeat.
-        tensors = _make_tensors(size, max(1, min(MAX_TENSORS, total // size)))
-        nbytes = sum(t.numel() for t in tensors)
-        for _ in range(args.repeats):
-            if "raw-limit" in engines:
-                progress.step(f"raw-limit {_size_name(size)}")
-                limit = measure_raw_limit(d1, min(max(total, 16 << 20), 1 << 30))
-                limits.append(limit)
-                limit_by_size.setdefault(size, []).append(limit)
-            for name in paths:
-                progress.step(f"{name} {_size_name(size)} x{len(tensors)}")
-                _hand_back_free_memory()
-                timing: Timing = PATHS[name](ctx, tensors)
-                rounds = [(name, timing)]
-                if timing.steady is not None:
-                    rounds.append((f"{name}-steady", timing.steady))
-                for label, t in rounds:
-                    write.setdefault((label, size), []).append(nbytes / t.write_s / 1e9)
-                    read.setdefault((label, size), []).append(nbytes / t.read_s / 1e9)
-                    if t.cached_delta_bytes is not None:
-                        cached.setdefault(f"{label} {_size_name(size)}", []).append(
-                            t.cached_delta_bytes
-                        )
-                    if size == min(sizes):
-                        per = (t.write_s + t.read_s) / len(tensors) * 1e6
-                        us_per_tensor.setdefault(f"{label} {_size_name(size)}", []).append(per)
-                if timing.stats:
-                    # The last repeat's store at each size; its stats cover both rounds.
-                    summaries[f"{name} {_size_name(size)}"] = timing.stats
-        del tensors
-    progress.finish()
-
-    results: list[Row] = []
-    for size in sizes:
-        if size in limit_by_size:
-            here = limit_by_size[size]
-            for engine, op, values in (
-                ("raw-limit", "write", [x.write_gbps for x in here]),
-                ("raw-limit", "read", [x.read_gbps for x in here]),
-                ("raw-limit-overwrite", "write", [x.overwrite_gbps for x in here]),
-            ):
-                lo, med, hi = _stats(values)
-                results.append(_result(engine, op, size, lo, med, hi))
-        for name, sz in write:
-            if sz != size:
-                continue
-            for op, table in (("write", write), ("read", read)):
-                lo, med, hi = _stats(table[(name, size)])
-                results.append(_result(name, op, size, lo, med, hi))
-
-    machine = machine_facts(d1)
-    probe = probe_direct_io(d1)
-    machine.update(
-        {
-            "raw_limit_tool": limits[0].tool if limits else None,
-            "o_direct": probe.supported,
-            "page_cache": (
-                "raw-limit and tierstore-raw use O_DIRECT (no page cache); " + cache.method
-            ),
-            "total_bytes_per_measurement": total,
-            "max_tensors_per_measurement": MAX_TENSORS,
-            "repeats": args.repeats,
-            "command": "tierstore-bench " + " ".join(sys.argv[1:] if len(sys.argv) > 1 else []),
-            "cached_growth_while_spilling_bytes": {
-                k: int(statistics.median(v)) for k, v in cached.items()
-            },
-            "put_get_us_per_tensor": {
-                k: round(statistics.median(v), 1) for k, v in us_per_tensor.items()
-            },
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-    )
-    _print_table(results, sizes, machine, summaries)
+def _quick(args: argparse.Namespace, plot: Path | None) -> int:
+    steps = _disk.steps_of(QUICK_SIZES, QUICK_REPEATS, QUICK_ENGINES) + len(QUICK_MODES)
+    t0 = time.monotonic()
+    with (
+        _disk.workdirs(args.dir, None) as (d1, d2),
+        progress_bar(steps, not args.no_progress) as step,
+    ):
+        disk = _disk.sweep(QUICK_SIZES, QUICK_TOTAL, QUICK_REPEATS, QUICK_ENGINES, d1, d2, step)
+        report = train.measure(
+            [*QUICK_TRAIN, "--modes", ",".join(QUICK_MODES), "--disk-dir", str(d1)], step
+        )
+    for r in report.results:
+        r["label"] = LABELS[r["mode"]]
+    print(headline(disk.results, report))
+    print(f"\n(took {time.monotonic() - t0:.0f} s; 'tierstore-bench --full' sweeps every size")
+    print(" and path, 'tierstore-bench train --help' sizes the model)")
     if args.json is not None:
-        args.json.write_text(json.dumps({"machine": machine, "results": results}, indent=2))
+        data = {"machine": disk.machine, "disk": disk.results, "train": report.results}
+        args.json.write_text(json.dumps(data, indent=2))
         print(f"wrote {args.json}")
-    if args.plot is not None:
-        _plot(results, args.plot, machine)
-    return 0
+    if plot is not None:
+        plot_summary(disk.results, report.results, plot, disk.machine)
+        print(f"wrote {plot}")
+    return 1 if report.wrong else 0
 
 
-def _hand_back_free_memory() -> None:
-    """Start a path with no memory an earlier path freed into the heap.
+def headline(disk: list[dict[str, Any]], report: train.Report) -> str:
+    """The two answers as two small tables (medians; GB/s is 10**9 bytes per second)."""
+    by = {(r["engine"], r["op"], r["size_bytes"]): r for r in disk}
 
-    Note: [Every path reads into new memory]
-        Every path's read phase allocates the tensors it reads back. glibc keeps freed blocks
-        of up to 32 MiB in its heap once a free has raised its mmap threshold, so without
-        this a path could read into memory the path before it left there, already backed,
-        while another path faulted in new memory: on the development machine ``torch.load``
-        read 1 GiB of 16 MiB tensors at 2.09 GB/s into such memory and at 1.40-1.45 GB/s
-        into new memory (4096 against 262,000 page faults), depending only on what ran
-        before it. The store hands freed memory back on its own (Note: [Returning host
-        memory]), so its reads always faulted in new memory. Collecting garbage and trimming
-        the heap before each path gives every path the same start.
-    """
-    gc.collect()
-    trim_now()
+    def med(engine: str, op: str, size: int) -> float:
+        row = by.get((engine, op, size))
+        return float(row["gbps_median"]) if row else float("nan")
 
-
-def _make_tensors(size: int, n: int) -> list[torch.Tensor]:
-    """``n`` distinct tensors of ``size`` random bytes (distinct storages: the store would
-    otherwise keep one copy of tensors that share memory)."""
-    g = torch.Generator().manual_seed(size)
-    block = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
-    tensors = []
-    for i in range(n):
-        t = block.clone()
-        head = min(8, size)
-        t[:head] = torch.tensor(list(i.to_bytes(8, "little")[:head]), dtype=torch.uint8)
-        tensors.append(t)
-    return tensors
-
-
-def _result(engine: str, op: str, size: int, lo: float, med: float, hi: float) -> Row:
-    return {
-        "engine": engine,
-        "op": op,
-        "size_bytes": size,
-        "gbps_min": round(lo, 3),
-        "gbps_median": round(med, 3),
-        "gbps_max": round(hi, 3),
-    }
-
-
-def _print_table(
-    results: list[Row],
-    sizes: list[int],
-    machine: dict[str, object],
-    summaries: dict[str, str],
-) -> None:
-    print(
-        f"machine: {machine['cpus']} CPUs, {machine['filesystem']}, kernel {machine['kernel']}, "
-        f"O_DIRECT {'yes' if machine['o_direct'] else 'no'}"
-    )
-    print(f"raw limit: {machine['raw_limit_tool'] or 'not measured'}")
-    print(f"page cache: {machine['page_cache']}")
-    print()
-    head = f"{'engine':<26}{'size':>8}  {'write GB/s min/med/max':>24}"
-    print(f"{head}  {'read GB/s min/med/max':>24}")
-    by_key = {(r["engine"], r["op"], r["size_bytes"]): r for r in results}
-    engines = list(dict.fromkeys(str(r["engine"]) for r in results))
-    for size in sizes:
-        for name in engines:
-            w = by_key.get((name, "write", size))
-            r = by_key.get((name, "read", size))
-            if w is None and r is None:
-                continue
-            print(f"{name:<26}{_size_name(size):>8}  {_triple(w):>24}  {_triple(r):>24}")
-        print()
-    for size in sizes:
-        lines = []
-        for name, op, ref in RATIOS:
-            ours = by_key.get((name, op, size))
-            other = by_key.get((ref, op, size))
-            if ours is not None and other is not None:
-                ratio = ours["gbps_median"] / max(other["gbps_median"], 1e-9)
-                lines.append(f"{name} {op} = {ratio:.2f}x {ref}")
-        if lines:
-            print(f"ratios of medians at {_size_name(size)}: " + "; ".join(lines))
-    cached = machine.get("cached_growth_while_spilling_bytes")
-    if isinstance(cached, dict) and cached:
-        print(
-            "page cache growth while spilling (Cached in /proc/meminfo, median): "
-            + ", ".join(f"{k} {v / (1 << 20):+.1f} MiB" for k, v in cached.items())
+    lines = [
+        "How fast this store spills and reads back here (GB/s, median of "
+        f"{QUICK_REPEATS}; {QUICK_TOTAL // MiB} MiB per run, host tier empty; steady state,",
+        "as in every training step after the first: spills reuse space freed before, and the",
+        "disk limit is fio overwriting its file):",
+        f"{'tensor':>8}  {'tierstore':>16}  {'raw disk limit':>16}  {'torch.save/load':>16}"
+        f"  {'vs disk':>13}  {'vs torch':>13}",
+        f"{'':>8}  {'write   read':>16}  {'write   read':>16}  {'write   read':>16}"
+        f"  {'write  read':>13}  {'write  read':>13}",
+    ]
+    first = []
+    for size in QUICK_SIZES:
+        ours = med("tierstore-raw-steady", "write", size), med("tierstore-raw-steady", "read", size)
+        disk_ = med("raw-limit-overwrite", "write", size), med("raw-limit", "read", size)
+        save = med("torch.save", "write", size), med("torch.save", "read", size)
+        lines.append(
+            f"{size // MiB:>5} MiB  {ours[0]:>7.2f}{ours[1]:>7.2f}  "
+            f"{disk_[0]:>9.2f}{disk_[1]:>7.2f}  {save[0]:>9.2f}{save[1]:>7.2f}  "
+            f"{ours[0] / disk_[0]:>6.2f}x{ours[1] / disk_[1]:>5.2f}x  "
+            f"{ours[0] / save[0]:>6.2f}x{ours[1] / save[1]:>5.2f}x"
         )
-    per = machine.get("put_get_us_per_tensor")
-    if isinstance(per, dict) and per:
-        print(
-            "write+read per tensor (us, median): " + ", ".join(f"{k} {v}" for k, v in per.items())
+        first.append(
+            f"{size // MiB} MiB {med('tierstore-raw', 'write', size):.2f} write "
+            f"({med('tierstore-raw', 'write', size) / med('raw-limit', 'write', size):.2f}x "
+            "fio writing a new file)"
         )
-    for name, summary in summaries.items():
-        print(f"{name} stats (last repeat, both rounds): {summary}")
-
-
-def _triple(r: Row | None) -> str:
-    if r is None:
-        return "-"
-    return f"{r['gbps_min']:.2f}/{r['gbps_median']:.2f}/{r['gbps_max']:.2f}"
-
-
-def _plot(results: list[Row], path: Path, machine: dict[str, object]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib: pip install 'tierstore[plot]'", file=sys.stderr)
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    engines = list(dict.fromkeys(str(r["engine"]) for r in results))
-    # More engines than the default cycle's ten colours: two would share one.
-    palette = plt.get_cmap("tab20")  # ListedColormap: an int picks its n-th colour
-    colour = {name: palette((2 * i) % 20 + (2 * i) // 20 % 2) for i, name in enumerate(engines)}
-    for ax, op in zip(axes, ("write", "read"), strict=True):
-        for name in engines:
-            rows = sorted(
-                (r for r in results if r["engine"] == name and r["op"] == op),
-                key=lambda r: int(r["size_bytes"]),
-            )
-            xs = [int(r["size_bytes"]) for r in rows]
-            med = [float(r["gbps_median"]) for r in rows]
-            lo = [float(r["gbps_min"]) for r in rows]
-            hi = [float(r["gbps_max"]) for r in rows]
-            style = "--" if name.startswith("raw-limit") else "-"
-            ax.plot(xs, med, style, marker="o", label=name, color=colour[name])
-            ax.fill_between(xs, lo, hi, color=colour[name], alpha=0.15)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tensor size (bytes)")
-        ax.set_title(f"{op} (median, band min-max)")
-        ax.grid(True, alpha=0.3)
-    axes[0].set_ylabel("GB/s")
-    axes[1].legend(fontsize=8)
-    fig.suptitle(f"tierstore-bench on {machine['cpus']} CPUs, {machine['filesystem']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    lines.append("first spill, into new space: " + "; ".join(first))
+    results = report.results
+    base = next((r for r in results if r["mode"] == "none"), None)
+    lines += [
+        "",
+        "What offloading saves in a training step (each mode in its own process; "
+        "gradients checked against no offloading):",
+        f"{'mode':<28}{'step s':>8}{'x none':>8}{'peak RSS MiB':>14}{'saved MiB':>11}"
+        f"{'offloaded MiB/step':>20}",
+    ]
+    for r in results:
+        ratio = r["step_s_median"] / base["step_s_median"] if base else float("nan")
+        saved = (base["peak_rss_bytes"] - r["peak_rss_bytes"]) / MiB if base else float("nan")
+        off = r.get("offloaded_bytes_per_step", 0) / MiB
+        lines.append(
+            f"{r.get('label', r['mode']):<28}{r['step_s_median']:>8.2f}{ratio:>8.2f}"
+            f"{r['peak_rss_bytes'] / MiB:>14.0f}{saved:>11.0f}{off:>20.0f}"
+        )
+    for mode in report.wrong:
+        lines.append(f"{LABELS[mode]:<28}REFUSED: its gradients differ from no offloading")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

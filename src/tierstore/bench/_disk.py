@@ -1,0 +1,407 @@
+"""``tierstore-bench disk``: tierstore's disk tier against the disk's own limit and the others.
+
+Example:
+    tierstore-bench disk --sizes 1MiB,16MiB --total 256MiB --repeats 3 --json out.json
+    tierstore-bench --full        # the whole sweep below, with its defaults (15-20 minutes)
+
+Every measurement pushes ``--total`` bytes of tensors of one size through one path, writes
+them, then reads them back newest first. The paths, all in one run:
+
+* ``raw-limit``: fio with O_DIRECT, 1 MiB blocks, 16 in flight (dd where fio is absent),
+  writing a new file; ``raw-limit-overwrite``: the same writes over the file just written;
+* ``tierstore-raw``, ``tierstore-raw-2dirs``, ``tierstore-zarr``: a ``TieredStore`` with no
+  host tier, so every tensor spills, through ``put``/``get`` (the 2dirs variant stripes over
+  ``--dir`` and ``--dir2``); ``tierstore-raw-steady`` and ``tierstore-raw-2dirs-steady``: the
+  same tensors again through the same store once the first round is released, as in every
+  training step after the first (Note: [First spill and steady state] in ``_paths.py``);
+* ``raw-engine``: the raw engine without the store around it;
+* ``torch.save``: one ``torch.save``/``torch.load`` file per tensor, as axolotl's offloader;
+* ``aiofiles``: whole-file writes and ``readinto`` reads, 16 in flight;
+* ``os``: plain ``os.write``/``os.readv`` of whole files.
+
+Buffered paths are fsync'd and their files evicted from the page cache before reading; the
+output says how. Every path starts with the heap's free memory handed back to the OS, so each
+reads into new memory (Note: [Every path reads into new memory]). GB/s means 10**9 bytes per
+second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierstore._malloc import trim_now
+from tierstore.bench._paths import PATHS, Context, Timing
+from tierstore.bench._system import PageCache, RawLimit, machine_facts, measure_raw_limit
+from tierstore.config import StoreConfig, parse_size
+
+__all__ = ["DiskRun", "main", "parser", "print_table", "sweep", "workdirs"]
+
+Row = dict[str, Any]
+"""One result: engine, op, size_bytes, gbps_min, gbps_median, gbps_max."""
+
+DEFAULT_SIZES = "64KiB,1MiB,16MiB,256MiB"
+DEFAULT_TOTAL = "2GiB"
+DEFAULT_ENGINES = ("raw-limit", *PATHS)
+MAX_TENSORS = 4096
+"""At most this many tensors per measurement, so small sizes do not take minutes per file path."""
+
+RATIOS = (
+    ("tierstore-raw", "write", "raw-limit"),
+    ("tierstore-raw", "read", "raw-limit"),
+    ("tierstore-raw-steady", "write", "raw-limit-overwrite"),
+    ("tierstore-raw-steady", "read", "raw-limit"),
+    ("tierstore-raw", "write", "torch.save"),
+    ("tierstore-raw", "read", "torch.save"),
+    ("tierstore-raw-steady", "write", "torch.save"),
+    ("tierstore-raw-steady", "read", "torch.save"),
+    ("raw-engine", "write", "raw-limit"),
+    ("raw-engine", "read", "raw-limit"),
+)
+"""(ours, op, reference) pairs whose median ratios the table ends with. The steady round's
+writes compare with fio overwriting its file (Note: [First spill and steady state]); every
+torch.save round writes new files, in training as here."""
+
+
+def _size_name(n: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return f"{n}B"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options of ``tierstore-bench disk`` (and of ``tierstore-bench --full``)."""
+    p = argparse.ArgumentParser(
+        prog="tierstore-bench disk",
+        description="Measure tierstore's disk tier against the raw disk and the alternatives.",
+    )
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"tensor sizes (default {DEFAULT_SIZES})")
+    p.add_argument(
+        "--total",
+        default=DEFAULT_TOTAL,
+        help=f"bytes per measurement (default {DEFAULT_TOTAL}; at most {MAX_TENSORS} tensors)",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="repeats per measurement (default 3)")
+    p.add_argument(
+        "--engines",
+        default=",".join(DEFAULT_ENGINES),
+        help=f"comma-separated paths to measure (default all: {','.join(DEFAULT_ENGINES)})",
+    )
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where to run (default: the first TIERSTORE_DISK_DIR directory)",
+    )
+    p.add_argument(
+        "--dir2",
+        type=Path,
+        default=None,
+        help="second directory for the striping figure (default: a second directory under --dir)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--plot", type=Path, default=None, help="draw GB/s against size (matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+@dataclass
+class DiskRun:
+    """What one sweep measured."""
+
+    results: list[Row]
+    machine: dict[str, object]
+    summaries: dict[str, str]
+    """The store's ``stats().summary()`` per store path and size (last repeat)."""
+
+
+@contextlib.contextmanager
+def workdirs(directory: Path | None, second: Path | None) -> Iterator[tuple[Path, Path]]:
+    """Two private scratch directories, under ``directory`` (default: the first
+    ``TIERSTORE_DISK_DIR``) and ``second`` (default: beside the first); removed afterwards."""
+    base = directory if directory is not None else StoreConfig.from_env().disk_dirs[0]
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tierstore-bench-", dir=base))
+    d2: Path | None = None
+    try:
+        d1 = work / "dir1"
+        d1.mkdir(mode=0o700)
+        if second is not None:
+            second.mkdir(parents=True, exist_ok=True)
+            d2 = Path(tempfile.mkdtemp(prefix="tierstore-bench-", dir=second))
+        else:
+            d2 = work / "dir2"
+            d2.mkdir(mode=0o700)
+        yield d1, d2
+    finally:
+        if second is not None and d2 is not None:
+            shutil.rmtree(d2, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def steps_of(sizes: list[int], repeats: int, engines: list[str]) -> int:
+    """How many measurements :func:`sweep` makes (for a progress bar)."""
+    paths = [e for e in engines if e != "raw-limit"]
+    return repeats * len(sizes) * (len(paths) + ("raw-limit" in engines))
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    return min(values), statistics.median(values), max(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tierstore-bench disk``: run the sweep, print it, write JSON and a plot if asked."""
+    from tierstore.bench._progress import progress_bar
+
+    p = parser()
+    args = p.parse_args(argv)
+    sizes = [parse_size(s, name="--sizes") for s in args.sizes.split(",") if s.strip()]
+    total = parse_size(args.total, name="--total")
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in engines if e not in DEFAULT_ENGINES]
+    if unknown or not sizes or args.repeats < 1 or any(s <= 0 for s in sizes):
+        p.error(
+            f"unknown engine(s) {unknown}; known: {', '.join(DEFAULT_ENGINES)}"
+            if unknown
+            else "need at least one positive size and --repeats >= 1"
+        )
+    if args.plot is not None:
+        from tierstore.bench._plot import PlotUnavailableError, require_matplotlib
+
+        try:
+            require_matplotlib()  # before minutes of measuring, not after
+        except PlotUnavailableError as exc:
+            print(f"tierstore-bench: {exc}", file=sys.stderr)
+            return 2
+    with (
+        workdirs(args.dir, args.dir2) as (d1, d2),
+        progress_bar(steps_of(sizes, args.repeats, engines), not args.no_progress) as step,
+    ):
+        run = sweep(sizes, total, args.repeats, engines, d1, d2, step)
+    print_table(run.results, sizes, run.machine, run.summaries)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"machine": run.machine, "results": run.results}, indent=2))
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        from tierstore.bench._plot import plot_disk
+
+        plot_disk(run.results, args.plot, run.machine)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def sweep(
+    sizes: list[int],
+    total: int,
+    repeats: int,
+    engines: list[str],
+    d1: Path,
+    d2: Path,
+    progress: Callable[[str], None],
+) -> DiskRun:
+    """Measure every path of ``engines`` at every size, ``repeats`` times, in ``d1`` (and
+    ``d2`` for striping); ``progress`` is called with a label as each measurement starts."""
+    from tierstore.tiers._raw import probe_direct_io
+
+    cache = PageCache()
+    ctx = Context(d1, d2, cache)
+    paths = [e for e in engines if e != "raw-limit"]
+    write: dict[tuple[str, int], list[float]] = {}
+    read: dict[tuple[str, int], list[float]] = {}
+    cached: dict[str, list[int]] = {}
+    us_per_tensor: dict[str, list[float]] = {}
+    summaries: dict[str, str] = {}
+    limits: list[RawLimit] = []
+
+    limit_by_size: dict[int, list[RawLimit]] = {}
+    for size in sizes:
+        # One size at a time, so only its tensors are in memory; the raw limit is measured
+        # next to the paths it is compared with, in each repeat.
+        tensors = _make_tensors(size, max(1, min(MAX_TENSORS, total // size)))
+        nbytes = sum(t.numel() for t in tensors)
+        for _ in range(repeats):
+            if "raw-limit" in engines:
+                progress(f"raw-limit {_size_name(size)}")
+                limit = measure_raw_limit(d1, min(max(total, 16 << 20), 1 << 30))
+                limits.append(limit)
+                limit_by_size.setdefault(size, []).append(limit)
+            for name in paths:
+                progress(f"{name} {_size_name(size)} x{len(tensors)}")
+                _hand_back_free_memory()
+                timing: Timing = PATHS[name](ctx, tensors)
+                rounds = [(name, timing)]
+                if timing.steady is not None:
+                    rounds.append((f"{name}-steady", timing.steady))
+                for label, t in rounds:
+                    write.setdefault((label, size), []).append(nbytes / t.write_s / 1e9)
+                    read.setdefault((label, size), []).append(nbytes / t.read_s / 1e9)
+                    if t.cached_delta_bytes is not None:
+                        cached.setdefault(f"{label} {_size_name(size)}", []).append(
+                            t.cached_delta_bytes
+                        )
+                    if size == min(sizes):
+                        per = (t.write_s + t.read_s) / len(tensors) * 1e6
+                        us_per_tensor.setdefault(f"{label} {_size_name(size)}", []).append(per)
+                if timing.stats:
+                    # The last repeat's store at each size; its stats cover both rounds.
+                    summaries[f"{name} {_size_name(size)}"] = timing.stats
+        del tensors
+
+    results: list[Row] = []
+    for size in sizes:
+        if size in limit_by_size:
+            here = limit_by_size[size]
+            for engine, op, values in (
+                ("raw-limit", "write", [x.write_gbps for x in here]),
+                ("raw-limit", "read", [x.read_gbps for x in here]),
+                ("raw-limit-overwrite", "write", [x.overwrite_gbps for x in here]),
+            ):
+                lo, med, hi = _stats(values)
+                results.append(_result(engine, op, size, lo, med, hi))
+        for name, sz in write:
+            if sz != size:
+                continue
+            for op, table in (("write", write), ("read", read)):
+                lo, med, hi = _stats(table[(name, size)])
+                results.append(_result(name, op, size, lo, med, hi))
+
+    machine = machine_facts(d1)
+    probe = probe_direct_io(d1)
+    machine.update(
+        {
+            "raw_limit_tool": limits[0].tool if limits else None,
+            "o_direct": probe.supported,
+            "page_cache": (
+                "raw-limit and tierstore-raw use O_DIRECT (no page cache); " + cache.method
+            ),
+            "total_bytes_per_measurement": total,
+            "max_tensors_per_measurement": MAX_TENSORS,
+            "repeats": repeats,
+            "command": "tierstore-bench " + " ".join(sys.argv[1:] if len(sys.argv) > 1 else []),
+            "cached_growth_while_spilling_bytes": {
+                k: int(statistics.median(v)) for k, v in cached.items()
+            },
+            "put_get_us_per_tensor": {
+                k: round(statistics.median(v), 1) for k, v in us_per_tensor.items()
+            },
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    )
+    return DiskRun(results, machine, summaries)
+
+
+def _hand_back_free_memory() -> None:
+    """Start a path with no memory an earlier path freed into the heap.
+
+    Note: [Every path reads into new memory]
+        Every path's read phase allocates the tensors it reads back. glibc keeps freed blocks
+        of up to 32 MiB in its heap once a free has raised its mmap threshold, so without
+        this a path could read into memory the path before it left there, already backed,
+        while another path faulted in new memory: on the development machine ``torch.load``
+        read 1 GiB of 16 MiB tensors at 2.09 GB/s into such memory and at 1.40-1.45 GB/s
+        into new memory (4096 against 262,000 page faults), depending only on what ran
+        before it. The store hands freed memory back on its own (Note: [Returning host
+        memory]), so its reads always faulted in new memory. Collecting garbage and trimming
+        the heap before each path gives every path the same start.
+    """
+    gc.collect()
+    trim_now()
+
+
+def _make_tensors(size: int, n: int) -> list[torch.Tensor]:
+    """``n`` distinct tensors of ``size`` random bytes (distinct storages: the store would
+    otherwise keep one copy of tensors that share memory)."""
+    g = torch.Generator().manual_seed(size)
+    block = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+    tensors = []
+    for i in range(n):
+        t = block.clone()
+        head = min(8, size)
+        t[:head] = torch.tensor(list(i.to_bytes(8, "little")[:head]), dtype=torch.uint8)
+        tensors.append(t)
+    return tensors
+
+
+def _result(engine: str, op: str, size: int, lo: float, med: float, hi: float) -> Row:
+    return {
+        "engine": engine,
+        "op": op,
+        "size_bytes": size,
+        "gbps_min": round(lo, 3),
+        "gbps_median": round(med, 3),
+        "gbps_max": round(hi, 3),
+    }
+
+
+def print_table(
+    results: list[Row],
+    sizes: list[int],
+    machine: dict[str, object],
+    summaries: dict[str, str],
+) -> None:
+    print(
+        f"machine: {machine['cpus']} CPUs, {machine['filesystem']}, kernel {machine['kernel']}, "
+        f"O_DIRECT {'yes' if machine['o_direct'] else 'no'}"
+    )
+    print(f"raw limit: {machine['raw_limit_tool'] or 'not measured'}")
+    print(f"page cache: {machine['page_cache']}")
+    print()
+    head = f"{'engine':<26}{'size':>8}  {'write GB/s min/med/max':>24}"
+    print(f"{head}  {'read GB/s min/med/max':>24}")
+    by_key = {(r["engine"], r["op"], r["size_bytes"]): r for r in results}
+    engines = list(dict.fromkeys(str(r["engine"]) for r in results))
+    for size in sizes:
+        for name in engines:
+            w = by_key.get((name, "write", size))
+            r = by_key.get((name, "read", size))
+            if w is None and r is None:
+                continue
+            print(f"{name:<26}{_size_name(size):>8}  {_triple(w):>24}  {_triple(r):>24}")
+        print()
+    for size in sizes:
+        lines = []
+        for name, op, ref in RATIOS:
+            ours = by_key.get((name, op, size))
+            other = by_key.get((ref, op, size))
+            if ours is not None and other is not None:
+                ratio = ours["gbps_median"] / max(other["gbps_median"], 1e-9)
+                lines.append(f"{name} {op} = {ratio:.2f}x {ref}")
+        if lines:
+            print(f"ratios of medians at {_size_name(size)}: " + "; ".join(lines))
+    cached = machine.get("cached_growth_while_spilling_bytes")
+    if isinstance(cached, dict) and cached:
+        print(
+            "page cache growth while spilling (Cached in /proc/meminfo, median): "
+            + ", ".join(f"{k} {v / (1 << 20):+.1f} MiB" for k, v in cached.items())
+        )
+    per = machine.get("put_get_us_per_tensor")
+    if isinstance(per, dict) and per:
+        print(
+            "write+read per tensor (us, median): " + ", ".join(f"{k} {v}" for k, v in per.items())
+        )
+    for name, summary in summaries.items():
+        print(f"{name} stats (last repeat, both rounds): {summary}")
+
+
+def _triple(r: Row | None) -> str:
+    if r is None:
+        return "-"
+    return f"{r['gbps_min']:.2f}/{r['gbps_median']:.2f}/{r['gbps_max']:.2f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,452 @@
+"""``tierstore-bench train``: step time and peak memory of a decoder-only transformer per mode.
+
+Modes (each in a fresh process, so peaks do not mix):
+  none            plain training, autograd keeps every activation
+  save_on_cpu     torch.autograd.graph.save_on_cpu (pin_memory on a GPU)
+  torch_ckpt      torch.utils.checkpoint(use_reentrant=False) around each block
+  ts_host         tierstore.offload_activations, host tier only (device_bytes=0)
+  ts_disk         tierstore.offload_activations, disk tier only (device_bytes=0, host_bytes=0)
+  ts_ckpt         tierstore.checkpoint around each block, layer inputs on the disk tier
+
+Step time is the median of --steps steps after --warmup steps. Peak memory is the peak RSS
+sampled by a thread every --sample-ms during the measured steps (on CUDA also
+torch.cuda.max_memory_allocated). With --rounds N every mode runs N times, the modes taking
+turns, so that load from other processes on a shared machine falls on all modes alike; the
+step time is then the median over all rounds' steps and the peak the median of the rounds'.
+
+Before it is timed, every mode trains one step from the same weights, batch and dropout seed
+and reports a digest of its loss and gradients. A mode whose digest differs from plain
+training's (``none``, run for the comparison when not asked for) computed wrong values: it is
+not reported, the run says so, and it exits with status 1. Figures taken while values were
+wrong mean nothing.
+
+Every child runs with MALLOC_MMAP_THRESHOLD_=1048576, so that every mode returns freed
+tensors of 1 MiB and more to the OS at once. Without it glibc would keep them in its heap in
+the modes that do not offload, while the store returns what it frees with malloc_trim (Note:
+[Returning host memory] in src/tierstore/_malloc.py), and the RSS comparison would favour
+the store.
+
+    tierstore-bench train --json results.jsonl      # or: python -m tierstore.bench.train
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+__all__ = ["MODES", "Report", "main", "measure", "table"]
+
+MODES = ("none", "save_on_cpu", "torch_ckpt", "ts_host", "ts_disk", "ts_ckpt")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        att = self.drop(att.masked_fill(~causal, float("-inf")).softmax(-1))
+        x = x + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, s, d)))
+        out: torch.Tensor = x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.ln2(x)))))
+        return out
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, dropout: float) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(
+        self, ids: torch.Tensor, wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None
+    ) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x) if wrap is None else wrap(block, x)
+        logits: torch.Tensor = self.head(self.ln(x))
+        return logits
+
+
+class PeakRSS:
+    """Samples this process's RSS on a thread; reads /proc/self/statm (cheap, no psutil)."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakRSS:
+        self.peak = self.now()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+def saved_activation_bytes(model: Decoder, ids: torch.Tensor, min_bytes: int) -> int:
+    """Bytes autograd saves in one forward: distinct storages of non-parameters >= min_bytes."""
+    seen: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.nbytes() >= min_bytes:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids[:, :-1], None).sum()
+    del loss
+    return sum(seen.values())
+
+
+def store_for(mode: str, args: argparse.Namespace) -> Any:
+    import tierstore
+
+    common: dict[str, Any] = {
+        "min_bytes": args.min_bytes,
+        "disk_dir": args.disk_dir,
+        "device_bytes": 0,
+        "prefetch_bytes": args.prefetch_bytes,
+        "max_inflight_bytes": args.inflight_bytes,
+    }
+    if mode == "ts_host":
+        return tierstore.TieredStore(**common, host_bytes="unlimited")
+    return tierstore.TieredStore(**common, host_bytes=0)
+
+
+def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = Decoder(args.vocab, args.dim, args.heads, args.layers, args.dropout).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
+    store = store_for(mode, args) if mode.startswith("ts_") else None
+
+    import tierstore
+
+    wrap: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
+    if mode == "torch_ckpt":
+
+        def wrap(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = torch_checkpoint(block, x, use_reentrant=False)
+            return out
+    elif mode == "ts_ckpt":
+
+        def wrap(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = tierstore.checkpoint(block, x, store=store)
+            return out
+
+    def context() -> AbstractContextManager[Any]:
+        if mode == "save_on_cpu":
+            return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+        if mode in ("ts_host", "ts_disk"):
+            return tierstore.offload_activations(store)
+        return nullcontext()
+
+    cpu_times: list[float] = []
+    digest = hashlib.sha256()
+
+    def step(check: bool = False) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with context():
+            logits = model(ids[:, :-1], wrap)
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        del logits
+        loss.backward()  # type: ignore[no-untyped-call]
+        if check:
+            digest.update(loss.detach().cpu().numpy().tobytes())
+            for p in model.parameters():
+                if p.grad is not None:
+                    digest.update(p.grad.detach().cpu().contiguous().numpy().tobytes())
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        cpu_times.append(time.process_time() - c0)
+        return time.perf_counter() - t0
+
+    torch.manual_seed(1)  # the dropout masks of the checked step
+    step(check=True)  # also the first warm-up step
+    for _ in range(args.warmup - 1):
+        step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    cpu_times.clear()
+    before = store.stats() if store is not None else None
+    rss_before = PeakRSS.now()
+    times: list[float] = []
+    with PeakRSS(args.sample_ms / 1000) as sampler:
+        for _ in range(args.steps):
+            times.append(step())
+    result: dict[str, Any] = {
+        "mode": mode,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "steps": args.steps,
+        "step_s_median": statistics.median(times),
+        "step_s": times,
+        "grads_sha256": digest.hexdigest(),
+        # CPU seconds of all the process's threads (store I/O threads included): on a shared
+        # machine, less disturbed by other processes than wall time.
+        "cpu_s": list(cpu_times),
+        "cpu_s_median": statistics.median(cpu_times),
+        "rss_before_bytes": rss_before,
+        "peak_rss_bytes": sampler.peak,
+        "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "saved_activation_bytes": saved_activation_bytes(model, ids, args.min_bytes),
+        "config": {k: v for k, v in vars(args).items() if k not in ("json", "modes", "worker")},
+    }
+    if device.type == "cuda":
+        result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    if store is not None:
+        # Writes of the last step may still be in flight; their bytes count when they end.
+        while store.stats().inflight_bytes:
+            time.sleep(0.001)
+        after = store.stats()
+        assert before is not None
+        n = args.steps
+        result.update(
+            offloaded_bytes_per_step=(after.bytes_put - before.bytes_put) // n,
+            offloaded_tensors_per_step=(after.puts - before.puts) // n,
+            bytes_to_disk_per_step=(after.bytes_to_disk - before.bytes_to_disk) // n,
+            # Spills started; a tiny step's backward may release an entry before its write.
+            spilled_tensors_per_step=(after.disk.total_entries - before.disk.total_entries) / n,
+            bytes_from_disk_per_step=(after.bytes_from_disk - before.bytes_from_disk) // n,
+            get_wait_s_per_step=(after.get_wait_seconds - before.get_wait_seconds) / n,
+            put_wait_s_per_step=(after.put_wait_seconds - before.put_wait_seconds) / n,
+            skipped_bytes=dict(after.skipped_bytes),
+            summary=after.summary(),
+        )
+        store.close()
+    return result
+
+
+@contextmanager
+def spill_parent(path: str | None) -> Iterator[str]:
+    if path is not None:
+        yield path
+        return
+    # /var/tmp is on disk where /tmp may be a tmpfs (which would put "disk" back in RAM).
+    parent = "/var/tmp" if os.access("/var/tmp", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="tierstore-bench-", dir=parent) as d:
+        yield d
+
+
+def parser() -> argparse.ArgumentParser:
+    """The options of ``tierstore-bench train``; defaults are the model measured in docs."""
+    p = argparse.ArgumentParser(
+        prog="tierstore-bench train", description=__doc__.splitlines()[0].strip("`")
+    )
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {MODES}")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=2, help="at least 1: the checked step")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--sample-ms", type=float, default=1.0)
+    p.add_argument("--min-bytes", type=int, default=1 << 20, help="store and adapter min_bytes")
+    p.add_argument("--prefetch-bytes", default="32MiB", help="store prefetch window")
+    p.add_argument("--inflight-bytes", default="32MiB", help="store save semaphore")
+    p.add_argument("--disk-dir", help="parent of the spill directory (default: a temp dir)")
+    p.add_argument("--rounds", type=int, default=1, help="run every mode this many times")
+    p.add_argument("--json", type=Path, help="append one JSON line per mode to this file")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p
+
+
+@dataclass
+class Report:
+    """What a run measured: one combined result per mode whose gradients were right."""
+
+    results: list[dict[str, Any]]
+    wrong: list[str]
+    """Modes whose gradients differed from plain training: measured, never reported."""
+
+
+def measure(argv: list[str], progress: Callable[[str], None] | None = None) -> Report:
+    """Run every mode of ``argv`` (``tierstore-bench train`` options) in its own process.
+
+    ``progress`` is called with a label before each worker starts.
+
+    Raises:
+        SystemExit: a bad option, or a worker that failed.
+    """
+    p = parser()
+    args = p.parse_args(argv)
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1: the first warm-up step is the checked one")
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    # Plain training is the reference every mode's gradients are checked against.
+    run_modes = modes if "none" in modes else ["none", *modes]
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in run_modes}
+    with spill_parent(args.disk_dir) as disk_dir:
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+        # The package's own parent first, so a worker imports this very tierstore.
+        here = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+        forwarded = _strip(list(argv), ("--json", "--modes", "--disk-dir", "--rounds"))
+        for _ in range(args.rounds):
+            for mode in run_modes:
+                if progress is not None:
+                    progress(f"train {mode}")
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "tierstore.bench.train",
+                    *forwarded,
+                    "--worker",
+                    mode,
+                    "--disk-dir",
+                    disk_dir,
+                ]
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+                if proc.returncode != 0:
+                    sys.stderr.write(proc.stderr)
+                    raise SystemExit(f"mode {mode} failed (exit {proc.returncode})")
+                runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    reference = {r["grads_sha256"] for r in runs["none"]}
+    wrong = [m for m in modes if {r["grads_sha256"] for r in runs[m]} != reference]
+    return Report([combine(runs[mode]) for mode in modes if mode not in wrong], wrong)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tierstore-bench train``: measure, print the table, exit 1 if a mode was refused."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_worker(args.worker, args)))
+        return 0
+    report = measure(argv)
+    if args.json is not None:
+        with args.json.open("a") as f:
+            for result in report.results:
+                f.write(json.dumps(result) + "\n")
+    print(table(report.results))
+    for mode in report.wrong:
+        print(
+            f"REFUSED {mode}: its gradients differ from training without offloading, so its "
+            "figures are not reported",
+            file=sys.stderr,
+        )
+    return 1 if report.wrong else 0
+
+
+def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result per mode: median step over all rounds' steps, median of the rounds' peaks."""
+    result = dict(rounds[-1])
+    times = [t for r in rounds for t in r["step_s"]]
+    cpu = [t for r in rounds for t in r["cpu_s"]]
+    result["rounds"] = len(rounds)
+    result["step_s"] = times
+    result["step_s_median"] = statistics.median(times)
+    result["cpu_s"] = cpu
+    result["cpu_s_median"] = statistics.median(cpu)
+    for key in ("peak_rss_bytes", "rss_before_bytes", "ru_maxrss_bytes"):
+        result[key] = int(statistics.median(r[key] for r in rounds))
+        result[key + "_rounds"] = [r[key] for r in rounds]
+    return result
+
+
+def _strip(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in names:
+            skip = True
+            continue
+        if any(a.startswith(n + "=") for n in names):
+            continue
+        out.append(a)
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    mib = 1 << 20
+    base = next((r for r in results if r["mode"] == "none"), None)
+    head = (
+        f"{'mode':<12} {'step s':>8} {'x none':>7} {'CPU s':>7} {'x none':>7} "
+        f"{'peak RSS MiB':>13} {'vs none':>9} "
+        f"{'offloaded MiB/step':>19} {'saved/offloaded':>16}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        ratio = r["step_s_median"] / base["step_s_median"] if base else float("nan")
+        cpu_ratio = r["cpu_s_median"] / base["cpu_s_median"] if base else float("nan")
+        delta = (r["peak_rss_bytes"] - base["peak_rss_bytes"]) / mib if base else float("nan")
+        off = r.get("offloaded_bytes_per_step")
+        saved = (
+            f"{(base['peak_rss_bytes'] - r['peak_rss_bytes']) / off:.0%}" if base and off else "-"
+        )
+        lines.append(
+            f"{r['mode']:<12} {r['step_s_median']:>8.3f} {ratio:>7.2f} "
+            f"{r['cpu_s_median']:>7.2f} {cpu_ratio:>7.2f} "
+            f"{r['peak_rss_bytes'] / mib:>13.0f} {delta:>+9.0f} "
+            f"{(off or 0) / mib:>19.0f} {saved:>16}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
