@@ -2,15 +2,30 @@
 
 On the CPU the host tier holds the tensor itself; a copy is made only when the tensor is a
 view that would keep a larger storage alive, or carries a lazy conjugate/negative bit.
-On CUDA, device-to-host copies run on a side stream ordered by events (see Note: [Copy
-ordering on CUDA]).
+On an accelerator, copies run on per-device side streams ordered by events (Note: [Copy
+ordering on an accelerator]); every runtime call goes through ``_accelerator.py``.
 
-Note: [Copy ordering on CUDA]
-    ``put`` records an event on the *current* stream of the calling thread, read afresh every
-    time (autograd's backward threads have their own current streams), and the side-stream
-    copy waits on it, so the copy never reads bytes that compute has not finished writing.
-    The entry keeps its device tensor until the copy's own event has completed, so the caching
-    allocator cannot hand that memory to another tensor while the copy still reads it.
+Note: [Copy ordering on an accelerator]
+    Down (device to host): ``put`` records ``ready`` on the *current* stream of the calling
+    thread, read afresh every time (autograd's backward threads have their own current
+    streams). The copy runs on its device's "down" side stream, which first waits on
+    ``ready``; everything the copy needs, making a non-contiguous source contiguous included,
+    runs on that stream after the wait. (It once ran on the loop thread's current stream,
+    after ``ready`` and outside the side stream: pool streams are non-blocking, so nothing
+    ordered the copy after it, and the host received bytes that were not written yet.) The
+    source stays referenced until the copy's own event has completed, even when the task is
+    cancelled, so the caching allocator cannot give its memory to another tensor while the
+    copy still reads it.
+
+    Up (host to device, :func:`upload`): the destination is allocated on the consumer's
+    stream, so that it is freed in the consumer's stream order after the consumer's reads.
+    The caching allocator may hand out memory whose previous user's kernels are still queued
+    on that stream, so the copy first waits on an event recorded there at allocation time.
+    The copy runs on the device's "up" side stream, and its host source is kept busy until
+    the copy's event has completed (``PinnedPool.hold``; PyTorch's own pinned allocator
+    does the same for its buffers). Whoever takes the tensor waits on the copy's event on its
+    own current stream (:func:`hand_over`); when that is not the stream the memory belongs
+    to, the tensor is also recorded on it, so that its free waits for those reads too.
 """
 
 from __future__ import annotations
@@ -18,9 +33,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from tierstore.tiers import _accelerator
+
+if TYPE_CHECKING:
+    from tierstore.tiers._pinned import PinnedPool
 
 __all__ = [
     "as_bytes",
@@ -28,15 +49,22 @@ __all__ = [
     "copy_to_device",
     "copy_to_host",
     "from_bytes",
+    "hand_over",
     "host_buffer",
     "ready_event",
+    "upload",
 ]
 
 log = logging.getLogger("tierstore")
 
-_side_streams: dict[int, Any] = {}
+_side_streams: dict[tuple[str, int, str], Any] = {}
 _side_lock = threading.Lock()
 _pin_state: dict[str, bool] = {}
+# Uploads not yet handed over: the tensor -> (the copy's event, the stream it was allocated on).
+_uploads: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_uploads_lock = threading.Lock()
+# Host sources of uploads that have no pool to hold them: kept until their copy's event ends.
+_held: list[tuple[Any, torch.Tensor]] = []
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -80,29 +108,43 @@ def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) ->
 
 
 def ready_event(t: torch.Tensor) -> Any:
-    """For a CUDA tensor, an event recorded on the caller's current stream; else None."""
-    if t.device.type != "cuda":
+    """For an accelerator tensor, an event recorded on the caller's current stream; else None."""
+    if t.device.type == "cpu":
         return None
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record(torch.cuda.current_stream(t.device))
+    event = _accelerator.new_event(t.device)
+    event.record(_accelerator.current_stream(t.device))
     return event
 
 
-def _side_stream(device: torch.device) -> Any:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def current_stream(device: torch.device) -> Any:
+    """The calling thread's current stream on ``device`` (None on the CPU)."""
+    if device.type == "cpu":
+        return None
+    return _accelerator.current_stream(device)
+
+
+def _side_stream(device: torch.device, role: str) -> Any:
+    """The side stream for ``role`` ("down" or "up") of ``device``: one of each per device."""
+    key = (device.type, _accelerator.index_of(device), role)
     with _side_lock:
-        stream = _side_streams.get(index)
+        stream = _side_streams.get(key)
         if stream is None:
-            stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
-            _side_streams[index] = stream
+            stream = _accelerator.new_stream(torch.device(device.type, key[1]))
+            _side_streams[key] = stream
         return stream
+
+
+def forget_streams() -> None:
+    """Forget the side streams (after a fork, or when the runtime behind them was replaced)."""
+    with _side_lock:
+        _side_streams.clear()
 
 
 def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
     """A ``uint8`` host buffer; pinned when asked and possible (warns once when not)."""
     if pinned and _pin_state.get("ok", True):
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return _accelerator.pinned_empty(nbytes)
         except RuntimeError as exc:
             _pin_state["ok"] = False
             log.warning(
@@ -113,34 +155,119 @@ def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-async def copy_to_host(t: torch.Tensor, ready: Any) -> torch.Tensor:
-    """Copy a CUDA tensor into a new host buffer on a side stream; return the host tensor."""
-    stream = _side_stream(t.device)
-    buf = host_buffer(t.numel() * t.element_size(), pinned=True)
-    host = from_bytes(buf, t.dtype, t.shape)
-    src = t if t.is_contiguous() else t.contiguous()
-    with torch.cuda.stream(stream):
+def _host_target(nbytes: int, pool: PinnedPool | None) -> torch.Tensor:
+    if pool is not None:
+        got = pool.take(nbytes)
+        if got is not None:
+            return got[1]
+    return host_buffer(nbytes, pinned=pool is None)
+
+
+async def copy_to_host(t: torch.Tensor, ready: Any, pool: PinnedPool | None = None) -> torch.Tensor:
+    """Copy an accelerator tensor into host memory on a side stream; return the host tensor.
+
+    Args:
+        t: the tensor; it must stay alive until this returns (Note: [Copy ordering on an
+            accelerator]).
+        ready: the event ``put`` recorded on the stream that produced ``t``, or None.
+        pool: the pinned pool to take the host buffer from (default: a pinned buffer of
+            its own). A full pool falls back to pageable memory.
+
+    Returns:
+        A contiguous host tensor of ``t``'s dtype and shape, once the copy has completed.
+    """
+    stream = _side_stream(t.device, "down")
+    buf = _host_target(t.numel() * t.element_size(), pool)
+    host = from_bytes(buf, t.dtype, tuple(t.shape))
+    done = _accelerator.new_event(t.device)
+    with _accelerator.use_stream(stream):
         if ready is not None:
             stream.wait_event(ready)
+        # After the wait, on the side stream (Note: [Copy ordering on an accelerator]).
+        src = t if t.is_contiguous() else t.contiguous()
         host.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(stream)
+    del src
     await _wait_event(done)
     return host
 
 
+def upload(
+    host: torch.Tensor, device: torch.device, consumer: Any, pool: PinnedPool | None = None
+) -> torch.Tensor:
+    """Start copying ``host`` to ``device`` for ``consumer``; return the device tensor at once.
+
+    The destination is allocated on ``consumer`` (a stream of ``device``), and whoever takes
+    the tensor must first call :func:`hand_over` in its own thread (Note: [Copy ordering on
+    an accelerator]). ``host`` is kept busy until the copy has completed: by ``pool`` when
+    given, else by this module.
+    """
+    side = _side_stream(device, "up")
+    with _accelerator.use_stream(consumer):
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        allocated = _accelerator.new_event(device)
+        allocated.record(consumer)
+    done = _accelerator.new_event(device)
+    with _accelerator.use_stream(side):
+        side.wait_event(allocated)
+        out.copy_(host, non_blocking=True)
+        done.record(side)
+    if pool is not None:
+        pool.hold(host, done)
+    else:
+        _hold(host, done)
+    with _uploads_lock:
+        _uploads[out] = (done, consumer)
+    return out
+
+
+def hand_over(t: torch.Tensor) -> None:
+    """Order the caller's current stream after the upload that made ``t`` (no-op otherwise).
+
+    Call it in the thread that will use ``t``, before using it. Idempotent.
+    """
+    if t.device.type == "cpu":
+        return
+    with _uploads_lock:
+        pending = _uploads.pop(t, None)  # type: ignore[no-untyped-call]
+    if pending is None:
+        return
+    done, owner = pending
+    stream = _accelerator.current_stream(t.device)
+    stream.wait_event(done)
+    if stream != owner:
+        # Its memory returns to ``owner``'s pool when freed; make the free wait for us too.
+        t.record_stream(stream)
+
+
 def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor to ``device`` on the caller's current stream (allocated there too)."""
+    """``host`` on ``device``, for the caller's current stream (``host`` itself on the CPU).
+
+    On an accelerator the copy is asynchronous: it is queued and ordered before the caller's
+    later work on its current stream, and this returns without waiting for it.
+    """
     if device.type == "cpu":
         return host
-    out = torch.empty(host.shape, dtype=host.dtype, device=device)
-    out.copy_(host, non_blocking=False)
+    out = upload(host, device, _accelerator.current_stream(device))
+    hand_over(out)
     return out
+
+
+def _hold(t: torch.Tensor, event: Any) -> None:
+    with _uploads_lock:
+        _held[:] = [(ev, h) for ev, h in _held if not ev.query()]
+        _held.append((event, t))
 
 
 async def _wait_event(event: Any) -> None:
     # Polling keeps the event loop free; the first checks are cheap and copies are short.
     delay = 20e-6
-    while not event.query():
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1e-3)
+    try:
+        while not event.query():
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+    except asyncio.CancelledError:
+        # The caller drops the source and the destination once we return: not before the
+        # copy that reads and writes them has ended.
+        event.synchronize()
+        raise

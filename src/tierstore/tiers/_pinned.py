@@ -1,0 +1,228 @@
+"""The pinned pool: the host tier's page-locked memory, allocated once and carved into buffers.
+
+Note: [The pinned pool]
+    Copies between an accelerator and host memory run asynchronously only from page-locked
+    memory, and pinning is expensive and scarce: each ``pin_memory`` allocation is a driver
+    call, PyTorch's own pinned cache rounds every request up to a power of two and never gives
+    memory back, and WSL caps pinned memory at 1-2 GB. So the store pins
+    ``TIERSTORE_HOST_BYTES`` once, at the first copy that needs it (Note: [Pinned in
+    power-of-two pieces]), and cuts page-aligned buffers out of that region with a first-fit
+    allocator. Page alignment lets the disk engine
+    write from and read into a buffer with ``O_DIRECT``, without a bounce copy.
+
+    A buffer is a ``ctypes`` array over its pages, wrapped by ``torch.frombuffer``; every
+    storage made from it holds the array until the storage dies, views included. When the last
+    one goes, a finalizer queues the pages for reuse (a deque: the finalizer may run in any
+    thread, even one inside ``take``), and the next ``take`` returns them to the free list.
+    A copy the accelerator still runs holds no Python reference, so a buffer that a
+    host-to-device copy reads is kept busy until that copy's event has completed
+    (:meth:`PinnedPool.hold`), as PyTorch's caching host allocator does with recorded events.
+
+    If pinning fails, the pool falls back to pageable memory of the same size, with one
+    warning: copies are then synchronous and slower, but correct.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import ctypes
+import logging
+import mmap
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from tierstore.tiers import _accelerator
+
+__all__ = ["PinnedPool"]
+
+log = logging.getLogger("tierstore")
+
+_PAGE = mmap.PAGESIZE
+_warned_pageable = False
+_warn_lock = threading.Lock()
+
+
+def _pages(nbytes: int) -> int:
+    return max(1, -(-nbytes // _PAGE))
+
+
+class PinnedPool:
+    """Page-aligned host buffers cut from one region of ``capacity`` bytes, pinned if possible.
+
+    Args:
+        capacity: bytes of the region, allocated (and pinned) at the first :meth:`take`.
+            0 disables the pool: every :meth:`take` returns None.
+
+    Thread-safe. The region lives as long as the pool and every buffer taken from it.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity // _PAGE * _PAGE
+        self._lock = threading.Lock()
+        self._regions: list[Any] = []
+        self._starts: list[int] = []
+        self._addresses: list[int] = []
+        self.pinned: bool | None = None
+        """True once the region is pinned, False if pinning failed, None before first use."""
+        # Free extents as (first page, page count), sorted by first page.
+        self._free: list[tuple[int, int]] = []
+        self._freed: collections.deque[tuple[int, int]] = collections.deque()
+        self._held: list[tuple[Any, torch.Tensor]] = []
+        self.used_bytes = 0
+        """Bytes of buffers taken and not yet returned."""
+
+    def _allocate(self) -> None:
+        """Allocate the region (under the lock); pinned, or pageable with one warning.
+
+        Note: [Pinned in power-of-two pieces]
+            PyTorch's pinned allocator rounds every request up to a power of two, so pinning
+            24 GiB in one call would lock 32. The region is therefore pinned as the binary
+            pieces of its size (16 GiB + 8 GiB), which the allocator takes at their exact
+            size; a buffer never straddles two pieces.
+        """
+        global _warned_pageable
+        pieces: list[tuple[Any, int, int]] = []
+        try:
+            pages = self.capacity // _PAGE
+            bit = 1 << max(0, pages.bit_length() - 1)
+            while pages:
+                if pages & bit:
+                    t = _accelerator.pinned_empty(bit * _PAGE)
+                    start = -(-t.data_ptr() // _PAGE) * _PAGE
+                    usable = (t.data_ptr() + bit * _PAGE - start) // _PAGE
+                    pieces.append((t, start, usable))
+                    pages -= bit
+                bit >>= 1
+            self.pinned = True
+        except RuntimeError as exc:
+            pieces.clear()
+            region = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            pieces.append(
+                (
+                    region,
+                    ctypes.addressof(ctypes.c_char.from_buffer(region)),
+                    self.capacity // _PAGE,
+                )
+            )
+            self.pinned = False
+            with _warn_lock:
+                warn, _warned_pageable = not _warned_pageable, True
+            if warn:
+                log.warning(
+                    "tierstore: pinning %d bytes of host memory (TIERSTORE_HOST_BYTES) failed "
+                    "(%s); the host tier uses pageable memory instead, so copies between the "
+                    "accelerator and the host are synchronous and slower. Lower "
+                    "TIERSTORE_HOST_BYTES or raise the locked-memory limit (ulimit -l). "
+                    "(warned once)",
+                    self.capacity,
+                    exc,
+                )
+        # Pieces are numbered into one page space; extents never cross a piece's end.
+        first = 0
+        for owner, address, count in pieces:
+            self._regions.append(owner)
+            self._starts.append(first)
+            self._addresses.append(address)
+            if count:
+                self._free.append((first, count))
+            first += count
+        self._starts.append(first)
+
+    def take(
+        self, nbytes: int, *, lead: int = 0, span: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A free buffer of ``span`` bytes (default ``nbytes``), or None when none fits.
+
+        Returns:
+            ``(window, data)``, as ``HostPool.take``: ``window`` is the whole buffer from its
+            first page, ``data`` the ``nbytes`` at ``lead`` as a tensor whose storage is
+            exactly those bytes. Either keeps the buffer busy while it lives. None when the
+            pool is disabled, or full (for the moment: buffers come back as their tensors
+            die and their copies end); the caller then uses ordinary memory.
+
+        Raises:
+            ValueError: ``lead + nbytes`` does not fit in ``span``.
+        """
+        span = nbytes if span is None else span
+        if lead < 0 or lead + nbytes > span:
+            raise ValueError(f"{nbytes} bytes at lead {lead} do not fit in a span of {span}")
+        if self.capacity == 0:
+            return None
+        pages = _pages(span)
+        with self._lock:
+            if not self._starts:
+                self._allocate()
+            self._reap()
+            first = self._carve(pages)
+            if first is None:
+                return None
+            self.used_bytes += pages * _PAGE
+        piece = bisect.bisect_right(self._starts, first) - 1
+        address = self._addresses[piece] + (first - self._starts[piece]) * _PAGE
+        block = (ctypes.c_uint8 * (pages * _PAGE)).from_address(address)
+        # The finalizer holds the pool weakly: buffers may outlive it.
+        weakref.finalize(block, _give_back, weakref.ref(self), first, pages)
+        window = torch.frombuffer(block, dtype=torch.uint8, count=span)
+        if lead == 0 and nbytes == span:
+            return window, window
+        return window, torch.frombuffer(block, dtype=torch.uint8, count=nbytes, offset=lead)
+
+    def hold(self, t: torch.Tensor, event: Any) -> None:
+        """Keep ``t`` (and the buffer under it) alive until ``event`` has completed."""
+        with self._lock:
+            self._held.append((event, t))
+
+    def _reap(self) -> None:
+        """Drop holds whose events completed; return freed buffers to the free list."""
+        if self._held:
+            self._held = [(ev, t) for ev, t in self._held if not ev.query()]
+        while self._freed:
+            first, pages = self._freed.popleft()
+            self.used_bytes -= pages * _PAGE
+            self._insert(first, pages)
+
+    def _carve(self, pages: int) -> int | None:
+        for i, (first, count) in enumerate(self._free):
+            if count >= pages:
+                if count == pages:
+                    del self._free[i]
+                else:
+                    self._free[i] = (first + pages, count - pages)
+                return first
+        return None
+
+    def _insert(self, first: int, pages: int) -> None:
+        """Return an extent to the free list, merged with its neighbours in the same piece."""
+        piece = bisect.bisect_right(self._starts, first) - 1
+        lo, hi = self._starts[piece], self._starts[piece + 1]
+        i = bisect.bisect_left(self._free, (first, 0))
+        if i < len(self._free) and first + pages == self._free[i][0] < hi:
+            pages += self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == first > lo:
+            first, pages = self._free[i - 1][0], self._free[i - 1][1] + pages
+            del self._free[i - 1]
+            i -= 1
+        self._free.insert(i, (first, pages))
+
+    def free_bytes(self) -> int:
+        """Bytes not taken now (after returning what has come back)."""
+        with self._lock:
+            self._reap()
+            return self.capacity - self.used_bytes
+
+    def synchronize(self) -> None:
+        """Wait for every held copy to end and drop the holds (at close)."""
+        with self._lock:
+            held, self._held = self._held, []
+        for event, _ in held:
+            event.synchronize()
+
+
+def _give_back(pool_ref: weakref.ref[PinnedPool], first: int, pages: int) -> None:
+    pool = pool_ref()
+    if pool is not None:
+        pool._freed.append((first, pages))
