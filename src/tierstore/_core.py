@@ -65,17 +65,20 @@ from tierstore.errors import (
     TierStoreError,
     UnsupportedTensorError,
 )
-from tierstore.tiers import WriteRequest, open_engine
+from tierstore.tiers import WriteRequest, _accelerator, open_engine
 from tierstore.tiers._device import (
     as_bytes,
     compact,
     copy_to_device,
     copy_to_host,
+    current_stream,
     from_bytes,
-    host_buffer,
+    hand_over,
     ready_event,
+    upload,
 )
 from tierstore.tiers._hostpool import HostPool
+from tierstore.tiers._pinned import PinnedPool
 
 if TYPE_CHECKING:
     from tierstore.config import StoreConfig
@@ -141,6 +144,7 @@ class _Entry:
         "ready",
         "shape",
         "state",
+        "stream",
         "version",
     )
 
@@ -170,6 +174,10 @@ class _Entry:
         self.prefetched = False
         """The fetch in flight was begun by prefetch, not by a get."""
         self.ready: Any = None
+        self.stream: Any = None
+        """The stream current when the tensor was put: where autograd runs the backward that
+        will get it, so a fetch allocates its copy there (Note: [Copy ordering on an
+        accelerator] in ``tiers/_device.py``). None on the CPU."""
         self.error: BaseException | None = None
         self.handle_ref: _HandleRef | None = None
 
@@ -229,6 +237,9 @@ class StoreCore:
         self._heaps: dict[Tier, list[int]] = {Tier.DEVICE: [], Tier.HOST: []}
         self._window = 0
         self._inflight = 0
+        # Host bytes of device-to-host copies in flight: taken from the host tier's room as
+        # soon as a copy starts, not when it lands.
+        self._host_reserved = 0
         self._cursor: int | None = None
         # Where the last prefetch walk stopped, for the cursor it walked from: entries between
         # are already fetched, so the next walk resumes there (Note: [Resumable prefetch walk]).
@@ -278,6 +289,9 @@ class StoreCore:
         # Read buffers are reused once their tensors die (Note: [Buffers come back when the
         # last tensor goes]); keep about a prefetch window of them.
         self._read_pool = HostPool(keep_bytes=max(config.prefetch_bytes, 64 << 20))
+        # The host tier of accelerator tensors, pinned at its first use (Note: [The pinned
+        # pool] in ``tiers/_pinned.py``); a CPU-only process never allocates it.
+        self._pinned = PinnedPool(config.host_bytes)
         self._open_disk()
 
     # ------------------------------------------------------------------ disk tier set-up
@@ -515,6 +529,7 @@ class StoreCore:
         """
         _check_tensor(t)
         ready = ready_event(t)
+        stream = current_stream(t.device)
         with self._lock:
             self._check_open()
             self._drain_dropped_locked()
@@ -531,6 +546,7 @@ class StoreCore:
             key = next(self._keys)
             e = _Entry(key, t, movable)
             e.ready = ready
+            e.stream = stream
             self._set_data(e, t.detach())
             if movable:
                 self._resting[Tier.DEVICE] += nbytes
@@ -593,11 +609,12 @@ class StoreCore:
         # The weak reference dies with the entry, so the handle's death queues no release.
         e.handle_ref = None
         e.ready = None
+        e.stream = None
 
     def _free_room(self) -> int:
         cfg = self.config
         dev = max(0, cfg.device_bytes - self._resting[Tier.DEVICE])
-        host = max(0, cfg.host_bytes - self._used[Tier.HOST])
+        host = max(0, cfg.host_bytes - self._used[Tier.HOST] - self._host_reserved)
         disk = max(0, self._disk_cap - self._used[Tier.DISK]) if self._disk_usable() else 0
         return min(dev + host + disk, (1 << 63) - 1)
 
@@ -681,8 +698,12 @@ class StoreCore:
             heapq.heappop(self._heaps[Tier.DEVICE])
             self._set_state(e, S.MOVING_TO_HOST)
             self._inflight += e.nbytes
+            self._host_reserved += e.nbytes
             self._spawn(self._copy_to_host, e)
-        while self._resting[Tier.HOST] > cfg.host_bytes and self._disk_usable():
+        # Copies still on their way count: they land in the host tier.
+        while (
+            self._resting[Tier.HOST] + self._host_reserved > cfg.host_bytes and self._disk_usable()
+        ):
             e = self._pop_oldest(Tier.HOST, S.HOST)
             if e is None:
                 break
@@ -790,10 +811,11 @@ class StoreCore:
         assert e.data is not None
         t0 = time.perf_counter()
         try:
-            host = await copy_to_host(e.data, e.ready)
+            host = await copy_to_host(e.data, e.ready, self._pinned)
         except Exception as exc:
             with self._lock:
                 self._inflight -= e.nbytes
+                self._host_reserved -= e.nbytes
                 log.error("tierstore: copying %s to host failed: %s", e.describe(), exc)
                 if e.state in TERMINAL:
                     self._free_copies(e)
@@ -803,6 +825,7 @@ class StoreCore:
             return
         with self._lock:
             self._inflight -= e.nbytes
+            self._host_reserved -= e.nbytes
             self._stats.bytes_to_host += e.nbytes
             self._stats.seconds_to_host += time.perf_counter() - t0
             if e.state in TERMINAL:
@@ -922,6 +945,7 @@ class StoreCore:
         if state is S.FETCHED:
             assert e.fetched is not None
             out = e.fetched
+            hand_over(out)  # the caller's stream waits for the copy (no-op on the CPU)
             self._consume_locked(e)
             st.prefetch_hits += 1
             st.gets += 1
@@ -941,18 +965,21 @@ class StoreCore:
             st.prefetch_hits += 1
             st.gets += 1
             return compact(source)  # Note: [What get returns]
-        if state is S.MOVING_TO_DISK and source is not None:
-            # A CUDA tensor whose host copy is being written: copy the host copy back.
+        if source is not None and state in (S.HOST, S.MOVING_TO_DISK):
+            # An accelerator tensor in host memory (perhaps being written to disk): queue the
+            # copy back on the caller's stream and return; nothing waits for it here.
             st.prefetch_misses += 1
             st.gets += 1
-            return copy_to_device(source, e.device)
+            st.bytes_to_device += e.nbytes
+            return copy_to_device(source, e.device, self._pinned)
         st.prefetch_misses += 1
         fut: cf.Future[torch.Tensor] = cf.Future()
         self._start_fetch(e, fut)
         return fut
 
     def consumed(self, handle: TensorHandle, t: torch.Tensor) -> None:
-        """Record that a get which waited on a future has taken ``t``."""
+        """Record that a get which waited on a future has taken ``t`` (in the getter's thread)."""
+        hand_over(t)  # the caller's stream waits for the copy (no-op on the CPU)
         with self._lock:
             self._stats.gets += 1
             e = self._entries.get(handle.key)
@@ -1088,7 +1115,13 @@ class StoreCore:
                 buf = buffers.get(e.key)
                 src = e.host if buf is None else from_bytes(buf, e.dtype, e.shape)
                 assert src is not None
-                results.append((e, copy_to_device(src, e.device)))
+                if e.device.type == "cpu":
+                    results.append((e, src))
+                else:
+                    # Allocated on the stream that will consume it, most likely; a getter on
+                    # another stream is ordered by hand_over.
+                    consumer = e.stream if e.stream is not None else current_stream(e.device)
+                    results.append((e, upload(src, e.device, consumer, self._pinned)))
             except Exception as exc:
                 results.append((e, exc))
         t2 = time.perf_counter()
@@ -1127,17 +1160,19 @@ class StoreCore:
         Big CPU tensors read into a pooled buffer spanning the pages the engine's layout asks
         for (``read_window``), so the read goes straight into it; ``data`` is then a tensor
         whose storage is exactly the entry's bytes inside that buffer (Note: [What get
-        returns]). Small CPU tensors read into a plain allocation, CUDA ones into pinned memory;
-        there ``out`` and ``data`` are the same tensor.
+        returns]). Accelerator tensors read the same way into the pinned pool (Note: [The
+        pinned pool]), whose buffer the copy to the device holds until it ends; a full pool
+        gives pageable memory. Small CPU tensors read into a plain allocation, where ``out``
+        and ``data`` are the same tensor.
         """
         assert self._engine is not None
-        if e.device.type == "cpu" and e.nbytes >= _POOLED_READ_BYTES:
+        if e.device.type != "cpu" or e.nbytes >= _POOLED_READ_BYTES:
             lead, span = self._engine.read_window(e.key, e.nbytes)
-            return self._read_pool.take(e.nbytes, lead=lead, span=span)
-        if e.device.type == "cpu":
-            buf = torch.empty(e.nbytes, dtype=torch.uint8)
-        else:
-            buf = host_buffer(e.nbytes, pinned=True)
+            pool = self._read_pool if e.device.type == "cpu" else self._pinned
+            got = pool.take(e.nbytes, lead=lead, span=span)
+            if got is not None:
+                return got
+        buf = torch.empty(e.nbytes, dtype=torch.uint8)
         return buf, buf
 
     def _fetch_failed(self, e: _Entry, fut: cf.Future[torch.Tensor] | None, exc: Exception) -> None:
@@ -1516,10 +1551,11 @@ def _check_tensor(t: object) -> None:
         raise UnsupportedTensorError(
             "quantized tensors are not supported; store .int_repr() and the scales instead"
         )
-    if t.device.type not in ("cpu", "cuda"):
+    if t.device.type != "cpu" and not _accelerator.is_accelerator(t.device):
         raise UnsupportedTensorError(
-            f"tensors on device {str(t.device)!r} are not supported; tierstore moves CPU and "
-            "CUDA tensors"
+            f"tensors on device {str(t.device)!r} are not supported; tierstore moves CPU "
+            f"tensors and tensors on this machine's accelerator "
+            f"({_accelerator.accelerator_type() or 'none here'})"
         )
 
 

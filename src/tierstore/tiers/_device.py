@@ -240,15 +240,18 @@ def hand_over(t: torch.Tensor) -> None:
         t.record_stream(stream)
 
 
-def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def copy_to_device(
+    host: torch.Tensor, device: torch.device, pool: PinnedPool | None = None
+) -> torch.Tensor:
     """``host`` on ``device``, for the caller's current stream (``host`` itself on the CPU).
 
     On an accelerator the copy is asynchronous: it is queued and ordered before the caller's
-    later work on its current stream, and this returns without waiting for it.
+    later work on its current stream, and this returns without waiting for it. ``pool``
+    holds ``host`` until the copy has ended (default: this module does).
     """
     if device.type == "cpu":
         return host
-    out = upload(host, device, _accelerator.current_stream(device))
+    out = upload(host, device, _accelerator.current_stream(device), pool)
     hand_over(out)
     return out
 

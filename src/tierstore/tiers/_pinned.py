@@ -29,6 +29,7 @@ import collections
 import ctypes
 import logging
 import mmap
+import os
 import threading
 import weakref
 from typing import Any
@@ -54,13 +55,16 @@ class PinnedPool:
     """Page-aligned host buffers cut from one region of ``capacity`` bytes, pinned if possible.
 
     Args:
-        capacity: bytes of the region, allocated (and pinned) at the first :meth:`take`.
-            0 disables the pool: every :meth:`take` returns None.
+        capacity: bytes of the region, allocated (and pinned) at the first :meth:`take`;
+            at most the machine's memory. 0 disables the pool: every :meth:`take` returns
+            None.
 
     Thread-safe. The region lives as long as the pool and every buffer taken from it.
     """
 
     def __init__(self, capacity: int) -> None:
+        # More than the machine has cannot be pinned, nor is it needed ("unlimited").
+        capacity = min(capacity, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         self.capacity = capacity // _PAGE * _PAGE
         self._lock = threading.Lock()
         self._regions: list[Any] = []
@@ -164,8 +168,9 @@ class PinnedPool:
         piece = bisect.bisect_right(self._starts, first) - 1
         address = self._addresses[piece] + (first - self._starts[piece]) * _PAGE
         block = (ctypes.c_uint8 * (pages * _PAGE)).from_address(address)
-        # The finalizer holds the pool weakly: buffers may outlive it.
-        weakref.finalize(block, _give_back, weakref.ref(self), first, pages)
+        # The finalizer holds the pool weakly (buffers may outlive it) and the region strongly:
+        # the array only points into it, and a buffer in use must never be unmapped.
+        weakref.finalize(block, _give_back, weakref.ref(self), first, pages, self._regions)
         window = torch.frombuffer(block, dtype=torch.uint8, count=span)
         if lead == 0 and nbytes == span:
             return window, window
@@ -222,7 +227,9 @@ class PinnedPool:
             event.synchronize()
 
 
-def _give_back(pool_ref: weakref.ref[PinnedPool], first: int, pages: int) -> None:
+def _give_back(
+    pool_ref: weakref.ref[PinnedPool], first: int, pages: int, regions: list[Any]
+) -> None:
     pool = pool_ref()
     if pool is not None:
         pool._freed.append((first, pages))
