@@ -163,12 +163,21 @@ class TieredStore:
     def get(self, handle: TensorHandle) -> torch.Tensor:
         """The tensor back on its own device, bit-exact; repeatable until release.
 
+        The result is a contiguous tensor with the dtype and shape that were put, whose
+        storage holds exactly its bytes: ``storage_offset() == 0`` and
+        ``untyped_storage().nbytes()`` is its own size, so nothing of another tensor can be
+        reached through it (Note: [What get returns] in ``_core.py``). A tensor read back from
+        disk sits in a reused read buffer whose storage cannot grow, as with
+        ``torch.frombuffer``: ``clone()`` it before using it as a resizable ``out=``.
+
         Treat the result as read-only: on the CPU it may be the very tensor the store holds.
         A get during a spill is answered from the source, which stays valid until the write
         ends; it never waits for the disk.
 
         Raises:
             TensorReleasedError: the handle was released or is another store's.
+            TensorModifiedError: the tensor was written in place or its storage resized after
+                put, so the store no longer holds what was put.
             SpillIOError: reading it back failed (the entry stays on disk; retry may work).
             CorruptTensorError: its spilled bytes failed their checksum.
             StoreTimeoutError: waited longer than ``timeout``.
