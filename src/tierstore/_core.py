@@ -72,6 +72,7 @@ from tierstore.tiers._device import (
     copy_to_device,
     copy_to_host,
     current_stream,
+    discard,
     from_bytes,
     hand_over,
     ready_event,
@@ -1139,6 +1140,7 @@ class StoreCore:
                 if e.device.type != "cpu":
                     st.bytes_to_device += e.nbytes
                 if e.state is S.RELEASED:
+                    discard(out)
                     self._free_copies(e)
                     if fut is not None:
                         fut.set_exception(TensorReleasedError(f"{e.describe()} was released"))
@@ -1300,6 +1302,8 @@ class StoreCore:
         self._in_transit_released.discard(e)
         self._set_data(e, None)
         self._set_host(e, None)
+        if e.fetched is not None:
+            discard(e.fetched)  # an upload nobody took (Note: [Copy ordering on an accelerator])
         self._set_fetched(e, None)
         if e.disk:
             footprint = e.disk
@@ -1465,6 +1469,8 @@ class StoreCore:
                     e.fetch_future.set_exception(StoreClosedError("the store was closed"))
                 with contextlib.suppress(Exception):
                     self._set_state(e, S.RELEASED)
+                if e.fetched is not None:
+                    discard(e.fetched)
                 e.data = e.host = e.fetched = None
                 e.disk = 0
             self._entries.clear()

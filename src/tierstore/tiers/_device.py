@@ -25,7 +25,10 @@ Note: [Copy ordering on an accelerator]
     the copy's event has completed (``PinnedPool.hold``; PyTorch's own pinned allocator
     does the same for its buffers). Whoever takes the tensor waits on the copy's event on its
     own current stream (:func:`hand_over`); when that is not the stream the memory belongs
-    to, the tensor is also recorded on it, so that its free waits for those reads too.
+    to, the tensor is also recorded on it, so that its free waits for those reads too. A
+    copy nobody takes (its entry released first) makes its memory's stream wait on the copy's
+    event before the store drops it (:func:`discard`): the allocator would otherwise hand the
+    memory to the next tensor on that stream while the copy still writes it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ __all__ = [
     "compact",
     "copy_to_device",
     "copy_to_host",
+    "discard",
     "from_bytes",
     "hand_over",
     "host_buffer",
@@ -238,6 +242,21 @@ def hand_over(t: torch.Tensor) -> None:
     if stream != owner:
         # Its memory returns to ``owner``'s pool when freed; make the free wait for us too.
         t.record_stream(stream)
+
+
+def discard(t: torch.Tensor) -> None:
+    """Let ``t``, an upload nobody took, be freed: its memory's stream waits for the copy.
+
+    The caching allocator reuses freed memory on the stream it belongs to at once; without
+    this, a later tensor there could be written by the copy still running on the up stream.
+    """
+    if t.device.type == "cpu":
+        return
+    with _uploads_lock:
+        pending = _uploads.pop(t, None)  # type: ignore[no-untyped-call]
+    if pending is not None:
+        done, owner = pending
+        owner.wait_event(done)
 
 
 def copy_to_device(
