@@ -102,11 +102,15 @@ def _is_cuda(device: Any) -> bool:
 class _Patches:
     def __init__(self) -> None:
         self._undo: list[tuple[Any, str, Any, bool]] = []
+        self._calls: list[tuple[Any, tuple[Any, ...]]] = []
 
     def set(self, obj: Any, name: str, value: Any) -> None:
         had = name in vars(obj) if isinstance(obj, type) else hasattr(obj, name)
         self._undo.append((obj, name, getattr(obj, name, None), had))
         setattr(obj, name, value)
+
+    def call_at_undo(self, fn: Any, *args: Any) -> None:
+        self._calls.append((fn, args))
 
     def undo(self) -> None:
         while self._undo:
@@ -115,6 +119,9 @@ class _Patches:
                 setattr(obj, name, old)
             else:
                 delattr(obj, name)
+        while self._calls:
+            fn, args = self._calls.pop()
+            fn(*args)
 
 
 def _factory(s: Simulator, name: str, orig: Any) -> Any:
@@ -323,6 +330,15 @@ def simulate(
             p.set(torch, name, _factory(s, name, getattr(torch, name)))
         if not os.environ.get("GPUSIM_STACKS"):
             p.set(csan, "traceback", _QuietTraceback)
+        # The kernels are tiny: OpenMP's thread team only adds its wake-ups, which cost
+        # milliseconds per op on a loaded two-core machine.
+        p.call_at_undo(torch.set_num_threads, torch.get_num_threads())
+        torch.set_num_threads(1)
+        # Module.to() would otherwise pour a SimTensor into the existing CPU Parameter object
+        # (param.data = ...), leaving a tensor that reports cuda but is no SimTensor.
+        overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+        torch.__future__.set_overwrite_module_params_on_conversion(True)
+        p.call_at_undo(torch.__future__.set_overwrite_module_params_on_conversion, overwrite)
         with torch.autograd.set_multithreading_enabled(False), _FactoryMode(s):
             yield s
         s.drain()

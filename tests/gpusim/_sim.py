@@ -108,7 +108,7 @@ class SimStream(torch.Stream):
         s = sim()
         with s.lock:
             self.queries += 1
-            if self.queries % 2:
+            if self.queries % 2 or s.waits_for_held(self, self.end):
                 return False  # "not ready" at least once: polling loops get exercised
             s.force(self, self.end)
             s.checker._handle_stream_synchronization(self.stream_id)
@@ -164,7 +164,7 @@ class SimEvent:
             if self.at is None:
                 return True
             self.queries += 1
-            if self.queries == 1:
+            if self.queries == 1 or s.waits_for_held(*self.at):
                 return False  # "not ready" at least once: polling loops get exercised
             s.force(*self.at)
             s.checker._handle_event_synchronization(self.id)
@@ -379,12 +379,33 @@ class Simulator:
 
     @contextlib.contextmanager
     def hold(self, stream: SimStream) -> Iterator[None]:
-        """Keep ``stream`` back: eager scheduling runs nothing of it that is not waited for."""
+        """Hold ``stream`` back, as a GPU busy with long kernels would, for the ``with`` block.
+
+        Eager scheduling runs none of its work, and an event or stream whose completion
+        needs that work answers "not ready" to every ``query``. A ``synchronize`` still runs
+        it: the host blocks until the GPU gets there.
+        """
         self.held.add(stream)
         try:
             yield
         finally:
             self.held.discard(stream)
+
+    def waits_for_held(self, stream: SimStream, pos: int) -> bool:
+        """Whether reaching ``pos`` on ``stream`` needs queued work of a held stream."""
+        if not self.held:
+            return False
+        todo, seen = [(stream, pos)], set()
+        while todo:
+            s, p = todo.pop()
+            if s.base >= p or (s, p) in seen:
+                continue
+            seen.add((s, p))
+            if s in self.held:
+                return True
+            for op in itertools.islice(s.ops, 0, p - s.base):
+                todo.extend((ws, wp) for ws, wp in op.waits if ws.base < wp)
+        return False
 
     def check(self) -> None:
         """Raise if the race checker saw an access not ordered after the one before it."""

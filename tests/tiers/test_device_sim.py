@@ -9,7 +9,9 @@ hid it. Tensors live on ``cuda:0`` and ``cuda:1`` and come contiguous and stride
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,11 +30,32 @@ DEVICES = ("cuda:0", "cuda:1")
 LAYOUTS = ("contiguous", "strided")
 
 
-@pytest.fixture(params=["lazy", "eager"])
-def gpu(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[gpusim.Simulator]:
-    """A simulated pair of GPUs; the race checker must stay silent for the test to pass."""
+class Env:
+    """A simulated pair of GPUs (``sim``) and a factory of stores on them (``store``)."""
+
+    def __init__(self, sim: gpusim.Simulator, disk_dir: Path) -> None:
+        self.sim = sim
+        self.disk_dir = disk_dir
+        self.made: list[tierstore.TieredStore] = []
+
+    def store(self, tier: str = "host", **overrides: object) -> tierstore.TieredStore:
+        """A store whose entries rest in ``tier``; "tiered": the oldest spill to disk."""
+        settings: dict[str, object] = {
+            "device": {"device_bytes": "unlimited"},
+            "host": {"device_bytes": 0, "host_bytes": 64 * MiB},
+            "disk": {"device_bytes": 0, "host_bytes": 0},
+            "tiered": {"device_bytes": 0, "host_bytes": 96 * 1024},
+        }[tier]
+        settings = {**settings, "min_bytes": 0, "disk_dir": self.disk_dir, **overrides}
+        store = tierstore.TieredStore(**settings)  # type: ignore[arg-type]
+        self.made.append(store)
+        return store
+
+
+@contextlib.contextmanager
+def session(schedule: str, disk_dir: Path) -> Iterator[Env]:
+    """Simulated GPUs for the block; stores made in it are closed (and audited) before it ends,
+    and the race checker must have stayed silent (else ``SimulationError`` at exit)."""
     from tierstore import _core
     from tierstore.adapters import _storage
 
@@ -49,39 +72,31 @@ def gpu(
     def unsupported(t: torch.Tensor) -> str | None:
         return None if isinstance(t, gpusim.SimTensor) else reason(t)
 
-    monkeypatch.setattr(_core, "_check_tensor", check_tensor)
-    monkeypatch.setattr(_storage, "unsupported_reason", unsupported)
+    _core._check_tensor, _storage.unsupported_reason = check_tensor, unsupported  # type: ignore[assignment]
     _device._side_streams.clear()
     try:
-        with gpusim.simulate(request.param, legacy=True) as sim:
-            yield sim
-    except gpusim.Unsupported as exc:
-        pytest.skip(str(exc))
+        with gpusim.simulate(schedule, legacy=True) as sim:
+            env = Env(sim, disk_dir)
+            try:
+                yield env
+            finally:
+                gc.collect(1)  # young objects only: a full collection costs ~0.2 s here
+                for store in env.made:
+                    if not store.closed:
+                        store._core.audit()
+                    store.close()
     finally:
+        _core._check_tensor, _storage.unsupported_reason = check, reason  # type: ignore[assignment]
         _device._side_streams.clear()
 
 
-@pytest.fixture
-def stores(gpu: gpusim.Simulator, disk_dir: Path) -> Iterator[Callable[..., tierstore.TieredStore]]:
-    """Stores on the simulated GPUs, closed (and audited) before the simulator ends."""
-    made: list[tierstore.TieredStore] = []
-
-    def make(tier: str = "host", **overrides: object) -> tierstore.TieredStore:
-        settings: dict[str, object] = {
-            "device": {"device_bytes": "unlimited"},
-            "host": {"device_bytes": 0, "host_bytes": 64 * MiB},
-            "disk": {"device_bytes": 0, "host_bytes": 0},
-        }[tier]
-        settings = {**settings, "min_bytes": 0, "disk_dir": disk_dir, **overrides}
-        store = tierstore.TieredStore(**settings)  # type: ignore[arg-type]
-        made.append(store)
-        return store
-
-    yield make
-    gc.collect()
-    for store in made:
-        store._core.audit()
-        store.close()
+@pytest.fixture(params=["lazy", "eager"])
+def env(request: pytest.FixtureRequest, disk_dir: Path) -> Iterator[Env]:
+    try:
+        with session(request.param, disk_dir) as e:
+            yield e
+    except gpusim.Unsupported as exc:
+        pytest.skip(str(exc))
 
 
 def produced(
@@ -117,7 +132,7 @@ def on_host(t: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------ the simulator itself
 
 
-def test_a_missing_wait_shows_in_the_bytes_or_the_checker(gpu: gpusim.Simulator) -> None:
+def test_a_missing_wait_shows_in_the_bytes_or_the_checker(env: Env) -> None:
     x = torch.ones(1024, device="cuda:0") * 2
     side = torch.Stream(device="cuda:0")
     host = torch.empty(1024, pin_memory=True)
@@ -125,12 +140,12 @@ def test_a_missing_wait_shows_in_the_bytes_or_the_checker(gpu: gpusim.Simulator)
         host.copy_(x, non_blocking=True)
     side.synchronize()
     stale = not torch.equal(host, torch.full((1024,), 2.0))
-    assert stale == (gpu.schedule == "lazy")
-    assert gpu.errors, "the race checker missed a read of memory another stream writes"
-    gpu.errors.clear()
+    assert stale == (env.sim.schedule == "lazy")
+    assert env.sim.errors, "the race checker missed a read of memory another stream writes"
+    env.sim.errors.clear()
 
 
-def test_an_early_free_shows_in_the_bytes_or_the_checker(gpu: gpusim.Simulator) -> None:
+def test_an_early_free_shows_in_the_bytes_or_the_checker(env: Env) -> None:
     side = torch.Stream(device="cuda:1")
     x = torch.full((256,), 5.0, device="cuda:1")
     side.wait_stream(torch.accelerator.current_stream("cuda:1"))
@@ -140,14 +155,12 @@ def test_an_early_free_shows_in_the_bytes_or_the_checker(gpu: gpusim.Simulator) 
     del x  # freed while the side stream may still read it; no record_stream
     side.synchronize()
     poisoned = bool(torch.isnan(host).any())
-    assert poisoned == (gpu.schedule == "eager")
-    assert gpu.errors, "the race checker missed a free before a read on another stream ended"
-    gpu.errors.clear()
+    assert poisoned == (env.sim.schedule == "eager")
+    assert env.sim.errors, "the race checker missed a free before a read on another stream ended"
+    env.sim.errors.clear()
 
 
-def test_query_says_not_ready_first_and_the_stream_is_per_thread(gpu: gpusim.Simulator) -> None:
-    import threading
-
+def test_query_says_not_ready_first_and_the_stream_is_per_thread(env: Env) -> None:
     side = torch.Stream(device="cuda:0")
     event = torch.Event(device="cuda:0")
     with side:
@@ -163,20 +176,18 @@ def test_query_says_not_ready_first_and_the_stream_is_per_thread(gpu: gpusim.Sim
     assert event.query() is False and event.query() is True
 
 
-# ------------------------------------------------------------------ device copies
+# ------------------------------------------------------------------ scenarios
+# Each takes (env, device, layout); the tests below run them, and so do the mutation checks.
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_put_get_through_each_tier(
-    stores: Callable[..., tierstore.TieredStore], device: str, layout: str
-) -> None:
+def put_get_each_tier(env: Env, device: str, layout: str) -> None:
     """Note: [Copy ordering on an accelerator]: each tier returns the bytes compute wrote,
     on the tensor's own device index, as a tensor that owns exactly its bytes."""
     for tier in ("device", "host", "disk"):
-        store = stores(tier)
+        store = env.store(tier)
         t, want = produced(device, layout, seed=len(tier))
         h = store.put(t)
+        del t  # the store's reference is the last: an early free would show
         expected = {"device": Tier.DEVICE, "host": Tier.HOST, "disk": Tier.DISK}[tier]
         assert rests(store, h) is expected
         got = store.get(h)
@@ -186,3 +197,305 @@ def test_put_get_through_each_tier(
         assert torch.equal(on_host(got), want), tier
         del got
         store.release(h)
+
+
+def get_from_host(env: Env, device: str, layout: str) -> None:
+    """Note: [Copy ordering on an accelerator]: the reload lands in memory of the consumer's
+    stream, nothing waits for it in get, and the consumer's later work waits on its event."""
+    store = env.store("host")
+    t, want = produced(device, layout, seed=7)
+    h = store.put(t)
+    del t
+    assert rests(store, h) is Tier.HOST
+    with torch.Stream(device=device):
+        got = store.get(h)
+        doubled = got * 2
+        del got  # freed on the consumer's stream, after its reads
+        assert torch.equal(on_host(doubled), want * 2)
+
+
+def fetched(store: tierstore.TieredStore, h: tierstore.TensorHandle) -> None:
+    deadline = time.monotonic() + 10
+    while store.state_of(h) is not tierstore.TensorState.FETCHED:
+        assert time.monotonic() < deadline, store.state_of(h)
+        time.sleep(0.001)
+
+
+def prefetched_on_another_stream(env: Env, device: str, layout: str) -> None:
+    """A fetch allocates on the stream current at put; a getter on another stream waits for
+    the copy and records the tensor, so its memory is not reused under that getter's reads."""
+    store = env.store("host")
+    t, want = produced(device, layout, seed=8)
+    h = store.put(t)
+    del t
+    assert rests(store, h) is Tier.HOST
+    store.prefetch([h])
+    fetched(store, h)
+    with torch.Stream(device=device):
+        got = store.get(h)
+        doubled = got * 2  # read on the getter's stream; then the tensor dies
+        del got
+        assert torch.equal(on_host(doubled), want * 2)
+
+
+def prefetched_then_released(env: Env, device: str, layout: str) -> None:
+    """A tensor fetched back for nobody (its entry released first) is freed only after its
+    copy has ended: the allocator would hand its memory to the next tensor at once."""
+    store = env.store("host")
+    hs = []
+    for seed in range(3):
+        t, _ = produced(device, layout, seed=seed)
+        hs.append(store.put(t))
+        del t
+    for h in hs:
+        assert rests(store, h) is Tier.HOST
+    store.prefetch(hs)
+    for h in hs:
+        fetched(store, h)
+    del hs  # released by their handles' deaths
+    gc.collect(1)
+    after = torch.full((48, 40), 7.0, device=device)  # may reuse the freed memory
+    assert torch.equal(on_host(after), torch.full((48, 40), 7.0))
+
+
+def close_with_copies_in_flight(env: Env, device: str, layout: str) -> None:
+    """Copies still waiting for compute when close() gives up on them (its timeout) are waited
+    for before their sources and buffers are dropped; the checker sees every free ordered."""
+    store = env.store("host", timeout=0.2)
+    with env.sim.hold(torch.accelerator.current_stream(device)):
+        handles = [store.put(produced(device, layout, seed=i)[0]) for i in range(3)]
+        assert store.stats().inflight_bytes > 0
+        store.close()
+    with pytest.raises(tierstore.StoreClosedError):
+        store.get(handles[0])
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        put_get_each_tier,
+        get_from_host,
+        prefetched_on_another_stream,
+        prefetched_then_released,
+        close_with_copies_in_flight,
+    )
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_device_copies(env: Env, scenario: str, device: str, layout: str) -> None:
+    SCENARIOS[scenario](env, device, layout)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reloads_are_queued_on_the_consumers_stream(env: Env, device: str) -> None:
+    """Note: [Copy ordering on an accelerator], from inside: a get of a host-resident entry
+    returns before its copy has run, in memory of the getter's stream; a prefetch allocates
+    on the stream current at put."""
+    store = env.store("host")
+    hs = [store.put(produced(device, "contiguous", seed=i)[0]) for i in range(2)]
+    for h in hs:
+        assert rests(store, h) is Tier.HOST
+    consumer = torch.Stream(device=device)
+    with consumer:
+        got = store.get(hs[0])
+        assert got._alloc.stream == consumer
+        assert bool(torch.isnan(got._elem).all()), "get waited for the copy"
+        del got
+    producer = torch.accelerator.current_stream(device)
+    store.prefetch([hs[1]])
+    fetched(store, hs[1])
+    with consumer:
+        assert store.get(hs[1])._alloc.stream == producer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_bytes_are_reserved_for_copies_in_flight(env: Env, device: str) -> None:
+    """A copy on its way to the host tier takes its room at once: a second tensor that would
+    not fit beside it is refused, not admitted over capacity."""
+    t, want = produced(device, "contiguous", seed=3)
+    store = env.store("host", host_bytes=t.numel() * t.element_size(), disk_bytes=0)
+    with env.sim.hold(torch.accelerator.current_stream(device)):
+        h = store.put(t)
+        with pytest.raises(tierstore.TierFullError):
+            store.put(produced(device, "contiguous", seed=4)[0])
+    assert rests(store, h) is Tier.HOST
+    assert torch.equal(on_host(store.get(h)), want)
+
+
+def test_the_legacy_cuda_api_path(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On torch before 2.6 the seam uses torch.cuda's streams and events; same result."""
+    monkeypatch.setattr(_accelerator, "_generic", lambda: False)
+    put_get_each_tier(env, "cuda:1", "strided")
+
+
+def test_put_accepts_the_accelerators_own_device_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not the string "cuda": whatever device type the runtime names (xpu, a renamed one)."""
+    from tierstore import _core
+
+    meta = torch.empty(4, device="meta")
+    with pytest.raises(tierstore.UnsupportedTensorError, match="meta"):
+        _core._check_tensor(meta)
+    monkeypatch.setattr(_accelerator, "accelerator_type", lambda: "meta")
+    _core._check_tensor(meta)
+
+
+# ------------------------------------------------------------------ training
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block: fused QKV (three views of one storage), causal mask."""
+
+    def __init__(self, dim: int = 32, heads: int = 2, seq: int = 16) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.fc1, self.fc2 = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim)
+        self.register_buffer("mask", torch.ones(seq, seq, dtype=torch.bool).tril())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5
+        att = att.masked_fill(~self.mask[:s, :s], float("-inf")).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+def model_on(device: str, layers: int = 2) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(Block() for _ in range(layers))).to(device)
+
+
+def batch_on(device: str, layout: str) -> torch.Tensor:
+    """A (2, 16, 32) input; strided: a transposed view, as a layer's output may be."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, 32, generator=g)
+    if layout == "strided":
+        x = torch.randn(32, 16, 2, generator=g).permute(2, 1, 0)
+    return x.to(device) if layout == "contiguous" else x.contiguous().to(device).transpose(0, 0)
+
+
+def step(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    wrap: Callable[[], object] | None = None,
+    layer: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """One training step's loss and gradients, read back to the host."""
+    model.zero_grad(set_to_none=True)
+    ctx = wrap() if wrap is not None else None
+    if ctx is not None:
+        ctx.__enter__()  # type: ignore[attr-defined]
+    try:
+        h = x
+        for block in model:
+            h = block(h) if layer is None else layer(block, h)
+        loss = (h * h).mean()
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)  # type: ignore[attr-defined]
+    loss.backward()
+    return [loss.detach().cpu()] + [p.grad.cpu() for p in model.parameters()]
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(x, y), f"tensor {i} differs (NaN: {bool(torch.isnan(x).any())})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_offload_activations_gradients_equal_no_offloading(
+    env: Env, device: str, layout: str
+) -> None:
+    """Through the host tier and on to disk (the oldest entries spill)."""
+    model, x = model_on(device), batch_on(device, layout)
+    plain = step(model, x)
+    store = env.store("tiered")
+    offloaded = step(model, x, wrap=lambda: tierstore.offload_activations(store, min_bytes=0))
+    st = store.stats()
+    assert st.bytes_to_host > 0 and st.bytes_to_disk > 0
+    assert_same(offloaded, plain)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_checkpoint_gradients_equal_no_offloading(env: Env, device: str, layout: str) -> None:
+    model, x = model_on(device), batch_on(device, layout)
+    plain = step(model, x)
+    store = env.store("tiered", host_bytes=4096)
+    ckpt = step(model, x, layer=lambda block, h: tierstore.checkpoint(block, h, store=store))
+    st = store.stats()
+    assert st.bytes_to_host > 0 and st.bytes_to_disk > 0
+    assert_same(ckpt, plain)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_prefetch_during_backward(env: Env, device: str, layout: str) -> None:
+    """Backward finds its tensors fetched or on their way (uploads allocated on the stream of
+    their put), and takes them with the exact bytes."""
+    model, x = model_on(device, layers=3), batch_on(device, layout)
+    plain = step(model, x)
+    store = env.store("tiered", prefetch_bytes=MiB)
+    offloaded = step(model, x, wrap=lambda: tierstore.offload_activations(store, min_bytes=0))
+    assert_same(offloaded, plain)
+    st = store.stats()
+    assert st.prefetch_hits > 0 and st.bytes_to_device > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_held_back_compute_stream_with_copies_in_flight(
+    env: Env, device: str, layout: str
+) -> None:
+    """The forced race: the compute stream is held back, as behind long kernels, for the whole
+    forward, so every copy down is in flight while later activations are produced and put."""
+    model, x = model_on(device), batch_on(device, layout)
+    plain = step(model, x)
+    store = env.store("host")
+    compute = torch.accelerator.current_stream(device)
+    model.zero_grad(set_to_none=True)
+    with env.sim.hold(compute), tierstore.offload_activations(store, min_bytes=0):
+        h = x
+        for block in model:
+            h = block(h)
+        loss = (h * h).mean()
+        assert store.stats().inflight_bytes > 0, "no copy was left waiting for compute"
+    loss.backward()
+    got = [loss.detach().cpu()] + [p.grad.cpu() for p in model.parameters()]
+    assert_same(got, plain)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forwards_without_backward_leave_nothing(env: Env, device: str, layout: str) -> None:
+    """An eval forward puts nothing; a training forward dropped without backward releases its
+    entries while their copies are in flight, and their memory is freed only after them."""
+    model, x = model_on(device), batch_on(device, layout)
+    store = env.store("tiered")
+    with torch.no_grad(), tierstore.offload_activations(store, min_bytes=0):
+        model.eval()
+        model(x).sum().cpu()
+        model.train()
+    assert store.stats().puts == 0
+    with env.sim.hold(torch.accelerator.current_stream(device)):
+        with tierstore.offload_activations(store, min_bytes=0):
+            loss = model(x).sum()
+        assert store.stats().live_entries > 0
+        del loss
+        gc.collect(1)
+        deadline = time.monotonic() + 10
+        while store.stats().live_entries:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    deadline = time.monotonic() + 10
+    while store.stats().inflight_bytes or store.stats().host.bytes:
+        assert time.monotonic() < deadline, store.stats()
+        time.sleep(0.001)
