@@ -19,12 +19,12 @@ __all__ = ["collect_info", "main"]
 
 
 def _pinning() -> tuple[bool, str]:
-    import torch
+    from tierstore.tiers import _accelerator
 
-    if not torch.cuda.is_available():
-        return False, "no CUDA device; the host tier uses pageable memory"
+    if _accelerator.accelerator_type() is None:
+        return False, "no accelerator; the host tier uses pageable memory"
     try:
-        t = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+        t = _accelerator.pinned_empty(1 << 20)
     except RuntimeError as e:
         return False, f"pinning failed: {e}"
     return bool(t.is_pinned()), "ok"
@@ -62,10 +62,12 @@ def collect_info() -> dict[str, object]:
 
     import tierstore
     from tierstore.config import StoreConfig
+    from tierstore.tiers import _accelerator
     from tierstore.tiers._checksum import IMPLEMENTATION
 
     config = StoreConfig.from_env()
     pinned, why = _pinning()
+    kind = _accelerator.accelerator_type()
     return {
         "versions": {
             "tierstore": tierstore.__version__,
@@ -83,9 +85,11 @@ def collect_info() -> dict[str, object]:
             )
             for f in dataclasses.fields(config)
         },
+        # Named "cuda" for the scripts that read it; "type" says which accelerator it is.
         "cuda": {
-            "available": torch.cuda.is_available(),
-            "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+            "available": kind is not None,
+            "type": kind,
+            "devices": _accelerator.device_names(),
             "pinning": pinned,
             "pinning_detail": why,
         },
@@ -106,7 +110,8 @@ def _print(info: dict[str, object]) -> None:
         print(f"  {k:<20} {shown}")
     cuda = info["cuda"]
     assert isinstance(cuda, dict)
-    print(f"CUDA available: {'yes' if cuda['available'] else 'no'} {cuda['devices'] or ''}")
+    print(f"accelerator: {cuda['type'] or 'none'} {cuda['devices'] or ''}")
+    print(f"CUDA available: {'yes' if cuda['type'] == 'cuda' else 'no'}")
     print(f"pinned host memory: {'yes' if cuda['pinning'] else 'no'} ({cuda['pinning_detail']})")
     print(f"checksum: {info['checksum']}")
     dirs = info["disk_dirs"]

@@ -261,6 +261,9 @@ def _runtime(s: Simulator, p: _Patches, legacy: bool) -> None:
         p.set(cuda, "Event", SimEvent)
         p.set(cuda, "stream", stream_ctx)
         p.set(cuda, "synchronize", synchronize)
+        p.set(
+            cuda, "get_device_name", lambda device=None: f"simulated GPU {s.device_index(device)}"
+        )
 
 
 class _FactoryMode(TorchDispatchMode):

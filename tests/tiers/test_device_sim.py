@@ -331,6 +331,19 @@ def test_the_legacy_cuda_api_path(env: Env, monkeypatch: pytest.MonkeyPatch) -> 
     put_get_each_tier(env, "cuda:1", "strided")
 
 
+def test_info_reports_the_accelerator_through_the_seam(env: Env) -> None:
+    from tierstore.__main__ import collect_info
+
+    info = collect_info()["cuda"]
+    assert info == {
+        "available": True,
+        "type": "cuda",
+        "devices": ["simulated GPU 0", "simulated GPU 1"],
+        "pinning": True,
+        "pinning_detail": "ok",
+    }
+
+
 def test_put_accepts_the_accelerators_own_device_type(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not the string "cuda": whatever device type the runtime names (xpu, a renamed one)."""
     from tierstore import _core

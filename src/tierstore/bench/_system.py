@@ -164,6 +164,8 @@ def machine_facts(directory: Path) -> dict[str, object]:
     import torch
     import zarr
 
+    from tierstore.tiers import _accelerator
+
     return {
         "hostname": platform.node(),
         "cpus": os.cpu_count(),
@@ -175,5 +177,6 @@ def machine_facts(directory: Path) -> dict[str, object]:
         "numpy": numpy.__version__,
         "directory": str(directory),
         "filesystem": filesystem_of(directory),
-        "cuda": torch.cuda.is_available(),
+        "cuda": _accelerator.accelerator_type() == "cuda",
+        "accelerator": _accelerator.accelerator_type(),
     }

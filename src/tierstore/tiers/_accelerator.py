@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "accelerator_type",
     "current_stream",
+    "device_names",
     "index_of",
     "is_accelerator",
     "new_event",
@@ -53,6 +54,15 @@ def accelerator_type() -> str | None:
         device = torch.accelerator.current_accelerator()
         return None if device is None else device.type
     return "cuda" if torch.cuda.is_available() else None
+
+
+def device_names() -> list[str]:
+    """The names of the accelerator's devices, by index (empty without one)."""
+    kind = accelerator_type()
+    if kind is None:
+        return []
+    module: Any = torch.get_device_module(kind) if _generic() else torch.cuda
+    return [str(module.get_device_name(i)) for i in range(module.device_count())]
 
 
 def is_accelerator(device: torch.device) -> bool:
