@@ -311,6 +311,27 @@ def test_reloads_are_queued_on_the_consumers_stream(env: Env, device: str) -> No
         assert store.get(hs[1])._alloc.stream == producer
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_tensor_returns_to_its_own_device(env: Env, layout: str) -> None:
+    """Tensors of both devices in one store, through host and disk: each comes back to its own
+    index, and each device's copies run on side streams of that device."""
+    store = env.store("tiered", host_bytes=8192)
+    puts = []
+    for i in range(6):
+        t, want = produced(DEVICES[i % 2], layout, seed=i)
+        puts.append((store.put(t), want, DEVICES[i % 2]))
+        del t
+    tiers = {rests(store, h) for h, _, _ in puts}
+    assert tiers == {Tier.HOST, Tier.DISK}
+    for h, want, device in reversed(puts):
+        got = store.get(h)
+        assert got.device == torch.device(device)
+        assert torch.equal(on_host(got), want)
+    sides = {(index, role) for _, index, role in _device._side_streams}
+    assert {(0, "down"), (1, "down"), (0, "up"), (1, "up")} <= sides
+    assert all(s.device_index == index for (_, index, _), s in _device._side_streams.items())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_host_bytes_are_reserved_for_copies_in_flight(env: Env, device: str) -> None:
     """A copy on its way to the host tier takes its room at once: a second tensor that would
