@@ -533,3 +533,35 @@ def test_forwards_without_backward_leave_nothing(env: Env, device: str, layout: 
     while store.stats().inflight_bytes or store.stats().host.bytes:
         assert time.monotonic() < deadline, store.stats()
         time.sleep(0.001)
+
+
+def test_spills_move_between_the_pinned_pool_and_the_disk_without_a_copy(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [The pinned pool]: buffers are page-aligned, so the raw engine writes a big
+    tensor's host copy and reads it back with O_DIRECT straight from and into the pool."""
+    from tierstore.tiers import _raw
+
+    copied: list[tuple[int, int]] = []
+    real = _raw.memmove
+
+    def spy(dst: int, src: int, n: int) -> None:
+        copied.append((dst, src))
+        real(dst, src, n)
+
+    monkeypatch.setattr(_raw, "memmove", spy)
+    store = env.store("host", host_bytes=8 * MiB, direct_io="on")
+    big = [produced("cuda:0", "contiguous", seed=i, rows=768, cols=1024) for i in range(3)]
+    hs = [store.put(t) for t, _ in big]
+    assert rests(store, hs[0]) is Tier.DISK  # the third put made the first spill
+    pool = store._core._pinned
+    region = [(t.data_ptr(), t.numel()) for t in pool._regions]
+    assert pool.pinned is True
+
+    def in_pool(address: int) -> bool:
+        return any(start <= address < start + n for start, n in region)
+
+    got = store.get(hs[0])
+    assert torch.equal(on_host(got), big[0][1])
+    assert not [c for c in copied if in_pool(c[0]) or in_pool(c[1])], "a bounce copy"
+    assert store.stats().bytes_from_disk == 3 * MiB
