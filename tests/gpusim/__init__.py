@@ -14,7 +14,7 @@ What it models (``simulate()`` installs it for the length of a ``with`` block):
 - Two schedules, both legal executions of the same program. ``lazy`` runs only the work that
   what the host waits for depends on (stream order plus the events its streams waited on),
   so a consumer that skipped its wait reads stale or poisoned bytes. ``eager`` first runs
-  every other stream to its end (except streams the test :meth:`Simulator.hold` s back), so
+  every other stream to its end (except streams held back by :meth:`Simulator.hold`), so
   memory overwritten too early shows.
 - Poison. Device memory and pinned buffers start as 0xFF bytes (NaN as floats). Freeing a
   device tensor queues a poisoning write on the stream that allocated it, as the caching

@@ -20,7 +20,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 aten = torch.ops.aten
 _POISON = 0xFF
-_PAGE = mmap.PAGESIZE
 # Keys of device memory in the race checker; host memory is keyed by its address, below 2**48.
 _alloc_ids = itertools.count(1 << 50)
 _stream_ids = itertools.count(1)
@@ -343,7 +342,7 @@ class Simulator:
                 stream.stream_id, set(reads) - set(writes), set(writes), set(), name, aliases
             )
             for e in errors:
-                self.errors.append(_describe(e))
+                self.errors.append(str(e))
 
     def force(self, stream: SimStream, pos: int) -> None:
         """Run what the host now waits for: ``stream`` up to ``pos`` (and, eagerly, the rest)."""
@@ -530,15 +529,11 @@ class Simulator:
     def _as_view(self, device: int, args: Any, out: Any) -> Any:
         if not isinstance(out, torch.Tensor):
             return out
-        ref = self.by_backing.get(out.untyped_storage()._cdata)
+        ref = self._by_backing.get(out.untyped_storage()._cdata)
         alloc = ref() if ref is not None else None
         if alloc is None:
             raise SimulationError("a view op returned memory of no simulated tensor")
         return SimTensor._wrap(alloc, out, torch.device("cuda", device))
-
-    @property
-    def by_backing(self) -> dict[int, weakref.ref[_Allocation]]:
-        return self._by_backing
 
     def _register_backing(self, alloc: _Allocation) -> None:
         self._by_backing[alloc.backing.untyped_storage()._cdata] = weakref.ref(alloc)
@@ -756,7 +751,3 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     raw = (ctypes.c_uint8 * (reach * t.element_size())).from_address(t.data_ptr())
     u8 = torch.frombuffer(raw, dtype=torch.uint8)
     return torch.empty(0, dtype=t.dtype).set_(u8.untyped_storage(), 0, t.shape, t.stride())
-
-
-def _describe(e: Exception) -> str:
-    return str(e)
