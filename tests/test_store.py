@@ -686,6 +686,28 @@ def test_a_get_whose_own_read_fails_raises(make_store: MakeStore) -> None:
     assert held.reads == 1
 
 
+def test_a_read_buffer_that_cannot_be_allocated_fails_the_get_instead_of_hanging(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierstore.tiers._hostpool import HostPool
+
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0, timeout=20)
+    t = torch.randn(MiB)  # a pooled read
+    h = store.put(t)
+    wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
+
+    def no_memory(self: HostPool, nbytes: int, **kwargs: int) -> None:
+        raise MemoryError(f"cannot map {nbytes} bytes")
+
+    monkeypatch.setattr(HostPool, "take", no_memory)
+    t0 = time.monotonic()
+    with pytest.raises(tierstore.SpillIOError, match="cannot map"):
+        store.get(h)
+    assert time.monotonic() - t0 < 5  # it used to wait for the store's timeout
+    monkeypatch.undo()
+    assert store.tier_of(h) is Tier.DISK and _same_bits(store.get(h), t)  # nothing lost
+
+
 def test_one_get_plans_a_step_of_prefetch_and_the_window_fills_behind_it(
     make_store: MakeStore,
 ) -> None:

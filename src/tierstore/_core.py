@@ -1092,17 +1092,25 @@ class StoreCore:
         if not live:
             return
         disk = [e for e in live if e.disk]
-        targets = [self._read_buffer(e) for e in disk]
+        targets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        read_error: dict[int, BaseException | None] = {}
+        for e in disk:
+            try:
+                targets[e.key] = self._read_buffer(e)
+            except Exception as exc:
+                # No memory for the buffer: this read fails and the entry stays on disk, as
+                # after a read error; a get waiting on it raises instead of waiting forever.
+                read_error[e.key] = exc
+        reading = [e for e in disk if e.key in targets]
         t0 = time.perf_counter()
-        read_errors: list[BaseException | None] = []
-        if disk:
+        if reading:
             assert self._engine is not None
             read_errors = await self._engine.read_many(
-                [(e.key, out) for e, (out, _) in zip(disk, targets, strict=True)]
+                [(e.key, targets[e.key][0]) for e in reading]
             )
+            read_error.update({e.key: err for e, err in zip(reading, read_errors, strict=True)})
         t1 = time.perf_counter()
-        read_error = {e.key: err for e, err in zip(disk, read_errors, strict=True)}
-        buffers = {e.key: data for e, (_, data) in zip(disk, targets, strict=True)}
+        buffers = {key: data for key, (_, data) in targets.items()}
         del targets  # the read windows: only ``data`` may keep a pooled buffer busy now
         results: list[tuple[_Entry, torch.Tensor | Exception]] = []
         for e in live:
