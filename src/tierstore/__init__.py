@@ -18,7 +18,7 @@ from tierstore._state import TensorState, Tier
 from tierstore._stats import StoreStats, TierStats
 from tierstore._store import AsyncTieredStore
 from tierstore._sync import TieredStore, default_store
-from tierstore.adapters import checkpoint, offload_activations
+from tierstore.adapters import checkpoint, checkpoint_sequential, offload_activations
 from tierstore.config import StoreConfig
 from tierstore.errors import (
     ConfigError,
@@ -57,6 +57,7 @@ __all__ = [
     "UnsupportedTensorError",
     "WrongThreadError",
     "checkpoint",
+    "checkpoint_sequential",
     "default_store",
     "integrations",
     "offload_activations",

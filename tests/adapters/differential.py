@@ -102,7 +102,12 @@ class PathNet(nn.Module):
     ) -> torch.Tensor:
         loss = torch.zeros(())
         for i, (x, t) in enumerate(zip(xs, ids, strict=True)):
-            y = self.branch(x, t, i) if layer_call is None else layer_call(self.branch, x, t, i)
+            if layer_call is None:
+                y = self.branch(x, t, i)
+            else:
+                # Views the caller does not keep: the checkpoint's recompute must read them
+                # back from the store (Note: [Inputs live in the store]), leads and all.
+                y = layer_call(self.branch, x.view_as(x), t.view_as(t), i)
             loss = loss + y.float().pow(2).mean()
         return loss
 

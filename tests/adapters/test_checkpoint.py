@@ -263,14 +263,6 @@ def test_one_tensor_given_to_every_layer_is_stored_once(store_factory: StoreFact
     assert x.grad is not None
 
 
-def test_torch_autograd_grad_is_refused_clearly(store_factory: StoreFactory) -> None:
-    store = store_factory("host")
-    x = torch.randn(4, 32, requires_grad=True)
-    y = tierstore.checkpoint(Counting(), x, store=store)
-    with pytest.raises(RuntimeError, match=r"backward\(\) without inputs|\.backward\(\)"):
-        torch.autograd.grad(y.sum(), x)
-
-
 def test_store_empty_after_each_of_100_steps(store_factory: StoreFactory) -> None:
     store = store_factory("disk")
     model, ids = model_and_batch(batch=2, dim=32, seq=16)
@@ -291,8 +283,9 @@ def test_checkpoints_into_two_stores_are_independent(store_factory: StoreFactory
     """Note: [Stores are independent]: nothing found, read or prefetched across stores."""
     a, b = store_factory("disk"), store_factory("disk")
     x = torch.randn(64, 64, requires_grad=True)
-    ya = tierstore.checkpoint(torch.sin, x, store=a)
-    yb = tierstore.checkpoint(torch.cos, x, store=b)
+    # A view nobody keeps: each recompute must read it back from its own store.
+    ya = tierstore.checkpoint(torch.sin, x.view_as(x), store=a)
+    yb = tierstore.checkpoint(torch.cos, x.view_as(x), store=b)
     # x is stored in each store, not found in a's table and read from a.
     assert a.stats().puts == 1 and b.stats().puts == 1
     a.close()

@@ -1,4 +1,23 @@
-"""``checkpoint``: activation checkpointing whose saved inputs live in a TieredStore.
+"""``checkpoint``: torch's non-reentrant activation checkpoint, its saved inputs in a store.
+
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` keeps nothing a function computes
+for backward but its inputs, and recomputes the rest when backward first needs it. This is the
+same checkpoint, built on torch's own machinery for the recompute (its frame and saved-tensor
+hooks: ``torch.autograd.grad``, ``context_fn`` for selective checkpointing, the determinism
+check, nesting and early stop behave exactly as torch's), with one difference: the inputs it
+keeps live in a :class:`~tierstore.TieredStore` rather than in device memory.
+
+Note: [Inputs live in the store]
+    torch's frame keeps each input as a saved variable, so a layer's input stays in memory
+    until backward. Here the frame puts each input's storage into the store instead (once per
+    storage, Note: [One storage, one entry] in ``_storage.py``) and keeps only the record: a
+    weak reference to the input and the store's handle. The recompute gets the input object
+    itself while it is alive (someone else holds it, so its memory is in use anyway, and the
+    function sees the very object it saw in the forward, attributes and all), and otherwise a
+    tensor rebuilt from the store, bit-exact, with the input's ``requires_grad``, so that the
+    recompute saves what the forward saved. An input written in place since raises as
+    autograd does. Tensors among keyword arguments, inside containers and bound in a
+    ``functools.partial`` are inputs too: torch would keep those alive through its closure.
 
 Note: [Checkpoint without recursion]
     Hugging Face layers checkpoint themselves (their ``forward`` hands ``partial(forward, self)``
@@ -9,6 +28,7 @@ Note: [Checkpoint without recursion]
     nested ``checkpoint`` of that same module runs it directly, and where the module's
     ``forward`` was replaced on the instance, runs the class's own ``forward``. Each layer is
     thus checkpointed once and computed exactly once per forward and once per recompute.
+    Checkpoints of different functions nest as in torch.
 
 Note: [Stores are independent]
     Checkpoints into different stores share nothing. Each store has its own table of stored
@@ -17,13 +37,6 @@ Note: [Stores are independent]
     A in backward. And a checkpoint is linked, for prefetching in backward, to the previous
     checkpoint made on its thread into the same store only: linked across stores, a backward
     through B prefetched from A, and raised ``StoreClosedError`` once A was closed.
-
-Note: [Every input is an input]
-    Positional and keyword arguments are flattened, and every tensor among them, including
-    tensors bound in a ``functools.partial``, is an input of the autograd function, so every
-    tensor that requires grad gets its gradient. A placeholder that requires grad is always an
-    input too: without it, a layer whose inputs need no grad (frozen embeddings) would produce
-    outputs that need none either, and its parameters would silently get no gradient.
 """
 
 from __future__ import annotations
@@ -32,28 +45,25 @@ import contextlib
 import functools
 import inspect
 import threading
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from torch.overrides import _get_current_function_mode_stack as _function_modes
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import (
-    _get_autocast_kwargs,
-    _get_device_module,
-    _infer_device_type,
-    get_device_states,
-    set_device_states,
-)
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._device import DeviceContext
 
 from tierstore.adapters._common import min_bytes_of, resolve_store
-from tierstore.adapters._storage import Saved, StorageTable, Stored
+from tierstore.adapters._storage import Saved, StorageTable
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
     from tierstore._sync import TieredStore
 
-__all__ = ["checkpoint"]
+__all__ = ["checkpoint", "checkpoint_sequential"]
 
 R = TypeVar("R")
 
@@ -63,6 +73,7 @@ _local = threading.local()
 # that store, and die with it (Note: [Stores are independent]).
 _tables: weakref.WeakKeyDictionary[TieredStore, StorageTable] = weakref.WeakKeyDictionary()
 _tables_lock = threading.Lock()
+_warned_reentrant = False
 
 
 def _table_of(store: TieredStore) -> StorageTable:
@@ -73,14 +84,14 @@ def _table_of(store: TieredStore) -> StorageTable:
         return table
 
 
-def _last_plans() -> weakref.WeakKeyDictionary[TieredStore, weakref.ref[_Plan]]:
+def _last_frames() -> weakref.WeakKeyDictionary[TieredStore, weakref.ref[_StoreFrame]]:
     """This thread's most recent checkpoint into each store (Note: [Stores are independent])."""
-    plans: weakref.WeakKeyDictionary[TieredStore, weakref.ref[_Plan]] | None = getattr(
-        _local, "last_plans", None
+    frames: weakref.WeakKeyDictionary[TieredStore, weakref.ref[_StoreFrame]] | None = getattr(
+        _local, "last_frames", None
     )
-    if plans is None:
-        plans = _local.last_plans = weakref.WeakKeyDictionary()
-    return plans
+    if frames is None:
+        frames = _local.last_frames = weakref.WeakKeyDictionary()
+    return frames
 
 
 def _running() -> dict[int, int]:
@@ -138,207 +149,214 @@ def _run_directly(
     return function(*args, **kwargs)
 
 
-class _Plan:
-    """Everything backward needs besides the saved tensors; lives on the autograd ctx."""
+class _Input:
+    """An input kept in the store (Note: [Inputs live in the store])."""
 
-    __slots__ = (
-        "__weakref__",
-        "autocast",
-        "device_type",
-        "function",
-        "key",
-        "leaves",
-        "min_bytes",
-        "n_tensors",
-        "out_spec",
-        "out_tensor",
-        "prev",
-        "rng",
-        "spec",
-        "store",
-        "stored",
-        "tensor_at",
-    )
+    __slots__ = ("requires_grad", "saved")
+
+    def __init__(self, saved: Saved, requires_grad: bool) -> None:
+        self.saved = saved
+        self.requires_grad = requires_grad
+
+    def get(self) -> torch.Tensor:
+        alive = self.saved.source()
+        if alive is not None and alive._version == self.saved.version:
+            return alive  # the object itself, its memory in use anyway; nothing to fetch
+        t = self.saved.tensor()  # raises if the input was written in place, as autograd does
+        return t.detach().requires_grad_() if self.requires_grad else t
+
+
+class _StoreFrame(torch_checkpoint._CheckpointFrame):
+    """torch's checkpoint frame, with its inputs in a store instead of saved variables."""
 
     def __init__(
-        self,
-        function: Callable[..., Any],
-        key: int,
-        leaves: list[Any],
-        spec: pytree.TreeSpec,
-        store: TieredStore,
-        min_bytes: int,
-    ) -> None:
-        self.function = function
-        self.key = key
-        self.spec = spec
+        self, recompute_fn: Callable[..., None], early_stop: bool, unpack_error_cb: Any,
+        metadata_fn: Any, store: TieredStore, min_bytes: int,
+    ) -> None:  # fmt: skip
+        super().__init__(recompute_fn, early_stop, unpack_error_cb, metadata_fn)
         self.store = store
-        # Tensors are replaced by None in the leaves; tensor_at says where they go back.
-        self.tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        self.n_tensors = len(self.tensor_at)
         self.min_bytes = min_bytes
-        # What went into the store, weakly: autograd owns the records.
-        self.stored: list[weakref.ref[Stored]] = []
-        self.rng: tuple[torch.Tensor, list[int], list[torch.Tensor]] | None = None
-        self.device_type = "cpu"
-        self.autocast: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
-        self.out_spec: pytree.TreeSpec | None = None
-        self.out_tensor: list[bool] = []
-        # The checkpoint run just before this one on this thread and into this store:
-        # backward needs its inputs next.
-        self.prev: weakref.ref[_Plan] | None = None
+        # The checkpoint run just before this one on this thread into this store: backward
+        # recomputes in reverse, so its inputs are needed next.
+        self.prev: weakref.ref[_StoreFrame] | None = None
 
-    def call(self, tensors: tuple[torch.Tensor, ...]) -> Any:
-        leaves = list(self.leaves)
-        for i, t in zip(self.tensor_at, tensors, strict=True):
-            leaves[i] = t
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        with _marked(self.key):
-            return self.function(*args, **kwargs)
+    def save_inputs(self, *args: Any) -> None:
+        table = _table_of(self.store)
+        saved: list[Any] = []
+        for arg in args:
+            packed = (
+                table.offload(self.store, arg, self.min_bytes)
+                if isinstance(arg, torch.Tensor)
+                else None
+            )
+            saved.append(_Input(packed, arg.requires_grad) if isinstance(packed, Saved) else arg)
+        self.saved_args = saved
 
-    def pack(self, t: torch.Tensor) -> Saved | torch.Tensor:
-        packed = _table_of(self.store).offload(self.store, t, self.min_bytes)
-        if isinstance(packed, Saved):
-            self.stored.append(weakref.ref(packed.stored))
-        return packed
+    def get_inputs(self) -> list[Any]:
+        previous = self.prev() if self.prev is not None else None
+        if previous is not None:
+            previous.prefetch()
+        return [a.get() if isinstance(a, _Input) else a for a in self.saved_args]
 
     def prefetch(self) -> None:
-        handles = [s.handle for s in (ref() for ref in self.stored) if s is not None]
+        handles = [a.saved.stored.handle for a in self.saved_args if isinstance(a, _Input)]
         if handles:
             self.store.prefetch(handles)
 
 
-class _CheckpointFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        plan: _Plan,
-        preserve_rng_state: bool,
-        placeholder: torch.Tensor,
-        *tensors: torch.Tensor,
-    ) -> tuple[Any, ...]:
-        del placeholder
-        plan.device_type = _infer_device_type(*tensors)  # type: ignore[no-untyped-call]
-        plan.autocast = _get_autocast_kwargs(plan.device_type)  # type: ignore[no-untyped-call]
-        if preserve_rng_state:
-            devices: list[int] = []
-            states: list[torch.Tensor] = []
-            # Do not initialise a device context by accident (torch.utils.checkpoint does not).
-            device_module = _get_device_module(plan.device_type)  # type: ignore[no-untyped-call]
-            if getattr(device_module, "_initialized", False):
-                devices, states = get_device_states(*tensors)
-            plan.rng = (torch.get_rng_state(), devices, states)
-        # Saved first, so the store's writes overlap the layer's compute. The pack hook around
-        # apply() puts them into the store; autograd owns the records, frees them after
-        # backward (or with the graph) and checks their version counters on unpack.
-        ctx.save_for_backward(*tensors)
-        with torch.no_grad():
-            out = plan.call(tensors)
-        leaves, plan.out_spec = pytree.tree_flatten(out)
-        plan.out_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
-        ctx.mark_non_differentiable(
-            *(
-                leaf
-                for leaf in leaves
-                if isinstance(leaf, torch.Tensor)
-                and not (leaf.is_floating_point() or leaf.is_complex())
-            )
+def _check_reentrant(use_reentrant: bool | None) -> None:
+    global _warned_reentrant
+    if use_reentrant and not _warned_reentrant:
+        _warned_reentrant = True
+        warnings.warn(
+            "tierstore.checkpoint is always non-reentrant (what torch recommends); "
+            "use_reentrant=True is accepted for drop-in use and ignored",
+            UserWarning,
+            stacklevel=3,
         )
-        ctx.plan = plan
-        ctx.set_materialize_grads(False)
-        plans = _last_plans()
-        plan.prev = plans.get(plan.store)
-        plans[plan.store] = weakref.ref(plan)
-        return tuple(leaves)
 
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        if not torch.autograd._is_checkpoint_valid():  # type: ignore[no-untyped-call]
-            raise RuntimeError(
-                "tierstore.checkpoint recomputes inside backward and cannot be used with "
-                "torch.autograd.grad() or backward(inputs=...); call .backward() without inputs"
-            )
-        plan: _Plan = ctx.plan
-        inputs = ctx.saved_tensors
-        previous = plan.prev() if plan.prev is not None else None
-        if previous is not None:
-            # Backward runs layers in reverse: the layer before this one is needed next.
-            previous.prefetch()
-        needs_grad = ctx.needs_input_grad[3:]
-        detached = tuple(
-            t.detach().requires_grad_(needs) for t, needs in zip(inputs, needs_grad, strict=True)
+
+def _frames(
+    function: Callable[..., Any],
+    leaves: list[Any],
+    spec: pytree.TreeSpec,
+    key: int,
+    store: TieredStore,
+    preserve_rng_state: bool,
+    context_fn: Callable[[], tuple[Any, Any]],
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+) -> Iterator[None]:
+    """torch's ``_checkpoint_without_reentrant_generator`` with a :class:`_StoreFrame`.
+
+    Yields once: the caller runs the function's forward in between.
+    """
+    tc = torch_checkpoint
+    unpack_error_cb = None
+    debug_enabled = getattr(tc, "_checkpoint_debug_enabled", None)
+    if debug_enabled if debug_enabled is not None else debug:
+        if context_fn is not tc.noop_context_fn:
+            raise ValueError("debug=True is incompatible with a non-default context_fn")
+        context_fn, unpack_error_cb = tc._get_debug_context_and_cb()
+    checks = tc._allowed_determinism_checks_to_fns
+    if determinism_check not in checks:
+        raise ValueError(
+            f"determinism_check={determinism_check!r}: must be one of {sorted(checks)}"
         )
-        rng = plan.rng
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    device_type = tc._infer_device_type(*tensors)  # type: ignore[no-untyped-call]
+    # The recompute respects a ``with torch.device(...)`` around the forward, as torch's does.
+    device_ctx: Any = next(
+        (
+            m
+            for m in reversed(_function_modes())  # type: ignore[no-untyped-call]
+            if isinstance(m, DeviceContext)
+        ),
+        contextlib.nullcontext(),
+    )
+    device_module = tc._get_device_module(device_type)  # type: ignore[no-untyped-call]
+    forward_context, recompute_context = context_fn()
+    device_autocast, cpu_autocast = tc._get_autocast_kwargs(device_type=device_type)  # type: ignore[no-untyped-call]
+    had_device = preserve_rng_state and getattr(device_module, "_initialized", False)
+    cpu_state = torch.get_rng_state() if preserve_rng_state else None
+    devices: list[int] = []
+    device_states: list[torch.Tensor] = []
+    if had_device:
+        devices, device_states = tc.get_device_states(*tensors)
+
+    def recompute(*inputs: Any) -> None:
         with torch.random.fork_rng(
-            devices=rng[1] if rng is not None else [],
-            enabled=rng is not None,
-            device_type=plan.device_type,
+            devices=devices, enabled=preserve_rng_state, device_type=device_type
         ):
-            if rng is not None:
-                torch.set_rng_state(rng[0])
-                if rng[1]:
-                    set_device_states(rng[1], rng[2], device_type=plan.device_type)
-            device_autocast = (
-                torch.amp.autocast(device_type=plan.device_type, **plan.autocast[0])
-                if torch.amp.is_autocast_available(plan.device_type)
+            if cpu_state is not None:
+                torch.set_rng_state(cpu_state)
+                if had_device:
+                    tc.set_device_states(devices, device_states, device_type=device_type)
+            autocast = (
+                torch.amp.autocast(device_type=device_type, **device_autocast)
+                if torch.amp.is_autocast_available(device_type)
                 else contextlib.nullcontext()
             )
+            args, kwargs = pytree.tree_unflatten(list(inputs), spec)
             with (
-                torch.enable_grad(),
-                device_autocast,
-                torch.amp.autocast("cpu", **plan.autocast[1]),
+                autocast,
+                torch.amp.autocast("cpu", **cpu_autocast),
+                recompute_context,
+                device_ctx,
+                _marked(key),
             ):
-                out = plan.call(detached)
-        leaves = pytree.tree_leaves(out)
-        outputs: list[torch.Tensor] = []
-        out_grads: list[torch.Tensor] = []
-        for leaf, grad in zip(leaves, grads, strict=True):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and grad is not None:
-                outputs.append(leaf)
-                out_grads.append(grad)
-        if outputs:
-            torch.autograd.backward(outputs, out_grads)
-        input_grads = tuple(
-            t.grad if needs else None for t, needs in zip(detached, needs_grad, strict=True)
+                function(*args, **kwargs)
+
+    stop = getattr(tc, "_enable_checkpoint_early_stop", None)
+    frame = _StoreFrame(
+        recompute,
+        early_stop if stop is None else stop,
+        unpack_error_cb,
+        checks[determinism_check],
+        store,
+        min_bytes_of(store, None),
+    )
+    frame.save_inputs(*leaves)
+    last = _last_frames()
+    frame.prev = last.get(store)
+    last[store] = weakref.ref(frame)
+    with tc._checkpoint_hook(frame), forward_context:
+        yield
+    frame.forward_completed = True
+    if preserve_rng_state and not had_device and getattr(device_module, "_initialized", False):
+        raise RuntimeError(
+            "the device's RNG state was initialised inside a checkpointed function; "
+            "initialise it before (any device operation does) or pass preserve_rng_state=False"
         )
-        return (None, None, None, *input_grads)
-
-
-def _unpack(packed: Saved | torch.Tensor) -> torch.Tensor:
-    return packed.tensor() if isinstance(packed, Saved) else packed
 
 
 def checkpoint(
     function: Callable[..., R],
     *args: Any,
     store: TieredStore | None = None,
+    use_reentrant: bool | None = None,
+    context_fn: Callable[[], tuple[Any, Any]] = torch_checkpoint.noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
     preserve_rng_state: bool = True,
     **kwargs: Any,
 ) -> R:
     """Run ``function(*args, **kwargs)`` without keeping its activations; recompute in backward.
 
-    Like ``torch.utils.checkpoint.checkpoint``, nothing ``function`` computes is kept for
-    backward; unlike it, the inputs that are kept (a layer's hidden states, the attention mask)
-    live in ``store`` and move down its tiers, as Unsloth's and axolotl's offloaded
-    checkpointing do with host memory or disk. Gradients are bit-identical to running
-    ``function`` without checkpointing: the RNG state of the forward is restored for the
-    recompute (dropout draws the same mask), and so is autocast.
+    The semantics of ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, which torch
+    recommends: nothing ``function`` computes is kept for backward, and the recompute runs when
+    backward first needs it, with the forward's RNG state (dropout draws the same mask) and
+    autocast, so gradients are bit-identical to running ``function`` without checkpointing.
+    ``torch.autograd.grad`` and ``backward(inputs=...)`` work; ``context_fn`` selects what to
+    keep (``torch.utils.checkpoint.create_selective_checkpoint_contexts``); a recompute that
+    saves tensors of other shapes or dtypes than the forward raises ``CheckpointError``;
+    checkpoints nest, and a parameter's gradient hook fires once per backward. Unlike torch's,
+    the inputs it keeps (a layer's hidden states, the attention mask) live in ``store`` and
+    move down its tiers (Note: [Inputs live in the store]); the recompute gets the input
+    objects themselves while they are alive.
 
     Keyword arguments are passed through; tensors among them and inside nested containers or a
-    ``functools.partial`` get their gradients too (Note: [Every input is an input]). Outputs may
-    be a tensor or any nesting of tuples, lists and dicts with tensors and other values in it.
-    Inputs need not require grad; parameters used inside ``function`` get their gradients
-    either way. A nested call for the same module runs it directly, so wrapping a module's
-    forward never recurses (Note: [Checkpoint without recursion]). With grad disabled (eval,
-    ``torch.no_grad``) the function simply runs and nothing is stored.
+    ``functools.partial`` are kept in the store too. Outputs may be any structure. A nested
+    call for the same module runs it directly, so wrapping a module's forward never recurses
+    (Note: [Checkpoint without recursion]). With grad disabled (eval, ``torch.no_grad``) the
+    function simply runs and nothing is stored.
 
     Args:
         function: the layer or function to checkpoint.
         *args: its positional arguments.
         store: where the inputs go; ``None`` means :func:`tierstore.default_store`. Inputs
             smaller than the store's ``min_bytes``, parameters and unsupported tensors stay in
-            place and are counted in ``stats().skipped``.
+            place (held as torch holds them) and are counted in ``stats().skipped``.
+        use_reentrant: accepted for drop-in use (``gradient_checkpointing_kwargs``); the
+            checkpoint is always non-reentrant, and ``True`` warns once.
+        context_fn: returns two context managers, for the forward and for the recompute
+            (default: none), as in torch.
+        determinism_check: ``"default"`` compares the recomputed tensors' shapes, dtypes and
+            devices with the forward's; ``"none"`` does not.
+        debug: record the operators run in forward and recompute for error messages.
+        early_stop: stop the recompute once every needed tensor is recomputed (default True).
         preserve_rng_state: restore the CPU and device RNG states for the recompute (default
             True); turn off only when ``function`` draws no random numbers.
         **kwargs: its keyword arguments.
@@ -347,9 +365,10 @@ def checkpoint(
         What ``function`` returns.
 
     Raises:
-        RuntimeError: in backward, when used with ``torch.autograd.grad`` or
-            ``backward(inputs=...)`` (the recompute runs a nested backward, as the reentrant
-            ``torch.utils.checkpoint`` does).
+        ValueError: an unknown ``determinism_check``, or ``debug`` with a ``context_fn``.
+        torch.utils.checkpoint.CheckpointError: in backward, the recompute saved different
+            tensors than the forward.
+        RuntimeError: in backward, an input was modified in place after the forward.
 
     Example:
         >>> import torch, tierstore
@@ -360,6 +379,7 @@ def checkpoint(
         >>> layer[0].weight.grad.shape
         torch.Size([8, 8])
     """
+    _check_reentrant(use_reentrant)
     inner, bound_args, bound_kwargs = _unwrap(function)
     key = id(_owner(inner, bound_args))
     if key in _running():
@@ -368,12 +388,51 @@ def checkpoint(
         return function(*args, **kwargs)
     resolved = resolve_store(store)
     leaves, spec = pytree.tree_flatten((bound_args + args, {**bound_kwargs, **kwargs}))
-    plan = _Plan(inner, key, leaves, spec, resolved, min_bytes_of(resolved, None))
-    tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-    placeholder = torch.empty(0, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(plan.pack, _unpack):
-        out = _CheckpointFunction.apply(  # type: ignore[no-untyped-call]
-            plan, preserve_rng_state, placeholder, *tensors
-        )
-    assert plan.out_spec is not None
-    return pytree.tree_unflatten(list(out), plan.out_spec)  # type: ignore[no-any-return]
+    frames = _frames(
+        inner, leaves, spec, key, resolved, preserve_rng_state, context_fn,
+        determinism_check, debug, early_stop,
+    )  # fmt: skip
+    next(frames)
+    with _marked(key):
+        out = inner(*(bound_args + args), **{**bound_kwargs, **kwargs})
+    with contextlib.suppress(StopIteration):
+        next(frames)
+    return out  # type: ignore[no-any-return]
+
+
+def checkpoint_sequential(
+    functions: torch.nn.Sequential | list[torch.nn.Module],
+    segments: int,
+    input: torch.Tensor,
+    *,
+    store: TieredStore | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Run ``functions`` in ``segments`` checkpointed chunks, as torch's
+    ``checkpoint_sequential``; each chunk's input lives in ``store``.
+
+    The last chunk runs without checkpointing (its activations are needed first in backward),
+    as in torch. ``kwargs`` go to each :func:`checkpoint` call (``preserve_rng_state``,
+    ``context_fn``, ...).
+
+    Raises:
+        ValueError: ``segments`` is not a positive integer.
+    """
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"segments={segments!r}: expected a positive number of chunks")
+    layers = list(functions.children()) if isinstance(functions, torch.nn.Sequential) else functions
+    size = max(1, len(layers) // segments)
+
+    def run(start: int, end: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def chunk(x: torch.Tensor) -> torch.Tensor:
+            for layer in layers[start : end + 1]:
+                x = layer(x)
+            return x
+
+        return chunk
+
+    end = -1
+    for start in range(0, size * (segments - 1), size):
+        end = start + size - 1
+        input = checkpoint(run(start, end), input, store=store, **kwargs)
+    return run(end + 1, len(layers) - 1)(input)
