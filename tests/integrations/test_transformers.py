@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -143,3 +144,102 @@ def test_tierstore_imports_without_transformers() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+# -- the Trainer's own checkpointing switch, and the callback (2 MiB layer inputs, on disk) --
+
+
+def _llama_2mib(seed: int = 3) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        attention_dropout=0.1,
+        use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    model.train()
+    return model
+
+
+def _trainer(model: torch.nn.Module, out: Path, **extra: object) -> Any:
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 128, (1024,), generator=g) for _ in range(4)]
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=2,  # layer inputs: 2 x 1024 x 256 x 4 bytes = 2 MiB
+        max_steps=2,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+        seed=7,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **extra,  # type: ignore[arg-type]
+    )
+    return transformers.Trainer(
+        model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows]
+    )
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [{"activation_checkpointing": True}, {"gradient_checkpointing": True}],
+    ids=["activation_checkpointing", "gradient_checkpointing"],
+)
+def test_the_trainers_own_checkpointing_switch_installs_tierstores(
+    tmp_path: Path, switch: dict[str, object]
+) -> None:
+    """Note: [The Trainer's own switch]: it used to install torch's checkpoint (puts 0)."""
+    plain = _llama_2mib()
+    _trainer(plain, tmp_path / "plain").train()
+    model = _llama_2mib()
+    with tierstore.TieredStore(
+        device_bytes=0, host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)
+    ) as store:
+        enable_offloaded_checkpointing(model, store)
+        kwargs = {**switch, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+        _trainer(model, tmp_path / "offload", **kwargs).train()
+        stats = store.stats()
+    assert stats.puts > 0 and stats.bytes_to_disk > 2 * 2**20 and stats.bytes_from_disk > 0
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    model.activation_checkpointing_disable()
+    assert not model.is_activation_checkpointing
+    assert "activation_checkpointing_enable" not in vars(model)  # the instance is itself again
+
+
+def test_the_callback_puts_the_stores_figures_into_the_logs(tmp_path: Path) -> None:
+    from tierstore.integrations.transformers import TierStoreCallback, attach_callback
+
+    seen: list[dict[str, float]] = []
+
+    class Recorder(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                seen.append(dict(logs))
+
+    model = _llama_2mib()
+    with tierstore.TieredStore(
+        device_bytes=0, host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)
+    ) as store:
+        enable_offloaded_checkpointing(model, store)
+        trainer = _trainer(model, tmp_path / "out")
+        trainer.add_callback(Recorder())
+        callback = attach_callback(trainer, store)
+        assert isinstance(callback, TierStoreCallback)
+        assert isinstance(callback, transformers.TrainerCallback)
+        trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(history) == len(seen) == 2
+    for logs in (*history, *seen):
+        assert logs["tierstore/offloaded_gib"] > 0 and logs["tierstore/disk_gib"] > 0
+        assert logs["tierstore/host_gib"] == 0 and logs["tierstore/backward_wait_s"] >= 0
+        assert logs["tierstore/read_errors"] == logs["tierstore/write_errors"] == 0

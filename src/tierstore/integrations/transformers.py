@@ -1,37 +1,58 @@
-"""Hugging Face transformers: gradient checkpointing whose saved layer inputs live in a store.
+"""Hugging Face transformers: offloaded checkpointing, the Trainer's own switch, and a callback.
 
 transformers is imported by nothing here at module level: this module imports without it.
+
+Note: [The Trainer's own switch]
+    ``Trainer`` with ``activation_checkpointing=True`` (alias ``gradient_checkpointing``) calls
+    ``model.activation_checkpointing_enable(kwargs)`` (``gradient_checkpointing_enable`` before
+    transformers 5) when training starts, and that installs torch's checkpoint over ours: the
+    store then received nothing, and nothing said so. :func:`enable_offloaded_checkpointing`
+    therefore also replaces those two methods on the model instance (not its class), so the
+    Trainer's call installs tierstore's checkpoint again, with the Trainer's
+    ``gradient_checkpointing_kwargs`` passed through. ``activation_checkpointing_disable``
+    removes the replacements and turns checkpointing off.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tierstore.adapters import checkpoint
+from tierstore.adapters._common import resolve_store
 
 if TYPE_CHECKING:
     import torch
 
+    from tierstore._stats import StoreStats
     from tierstore._sync import TieredStore
 
-__all__ = ["enable_offloaded_checkpointing"]
+# TierStoreCallback is made on first use (module __getattr__): it subclasses transformers'.
+__all__ = ["TierStoreCallback", "attach_callback", "enable_offloaded_checkpointing"]  # noqa: F822
+
+_METHODS = (
+    "activation_checkpointing_enable",
+    "gradient_checkpointing_enable",
+    "activation_checkpointing_disable",
+    "gradient_checkpointing_disable",
+)
 
 
 def enable_offloaded_checkpointing(
     model: torch.nn.Module, store: TieredStore | None = None, *, every_n_layers: int = 1
 ) -> None:
-    """Turn on gradient checkpointing of ``model`` with :func:`tierstore.checkpoint`.
+    """Turn on activation checkpointing of ``model`` with :func:`tierstore.checkpoint`.
 
     Each decoder layer then keeps nothing for backward but its inputs (hidden states, the
     attention mask, position embeddings), and those live in ``store``: on a GPU they leave the
     device, and past the host tier's capacity they spill to disk. The layers recompute in
     backward with the forward's RNG state, so gradients are bit-identical to no checkpointing,
-    dropout included. Works with ``Trainer``: call this before ``trainer.train()`` and leave
-    ``TrainingArguments.activation_checkpointing`` (alias ``gradient_checkpointing``) off: it
-    would install torch's checkpoint over this one. ``model.activation_checkpointing_disable()``
-    turns it off again.
+    dropout included. Works with ``Trainer``, with or without its own
+    ``activation_checkpointing=True`` (alias ``gradient_checkpointing``): when the Trainer turns
+    checkpointing on, tierstore's checkpoint is what it installs, with its
+    ``gradient_checkpointing_kwargs`` (Note: [The Trainer's own switch]).
+    ``model.activation_checkpointing_disable()`` turns it off again.
 
     Args:
         model: a ``transformers.PreTrainedModel`` that supports gradient checkpointing.
@@ -42,8 +63,9 @@ def enable_offloaded_checkpointing(
             ``_set_gradient_checkpointing`` accepts it.
 
     Raises:
-        ValueError: the model does not support gradient checkpointing, or uses the pre-4.35
-            checkpointing format (a ``_set_gradient_checkpointing(module, value)`` override).
+        ValueError: the model does not support gradient checkpointing, uses the pre-4.35
+            checkpointing format (a ``_set_gradient_checkpointing(module, value)`` override), or
+            ``every_n_layers`` is not supported by this transformers version.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -66,13 +88,171 @@ def enable_offloaded_checkpointing(
             f"{type(model).__name__} uses the checkpointing format of transformers < 4.35, "
             "which cannot take a checkpoint function; update the model's code"
         )
-    func = functools.partial(checkpoint, store=store)
+    _install(model, store, {}, every_n_layers)
+
+    def enable(
+        activation_checkpointing_kwargs: dict[str, Any] | None = None,
+        every_n_layers: int = 1,
+        offload: bool = False,
+        **_: Any,
+    ) -> None:
+        # ``offload`` asks transformers to keep inputs in pinned host memory: the store does.
+        del offload
+        _install(model, store, activation_checkpointing_kwargs or {}, every_n_layers)
+        _enable_input_grads(model)
+
+    def enable_legacy(
+        gradient_checkpointing_kwargs: dict[str, Any] | None = None, **kw: Any
+    ) -> None:
+        enable(gradient_checkpointing_kwargs, **kw)
+
+    def disable() -> None:
+        for name in _METHODS:
+            model.__dict__.pop(name, None)
+        setter(enable=False)
+
+    replacements = {
+        "activation_checkpointing_enable": enable,
+        "gradient_checkpointing_enable": enable_legacy,
+        "activation_checkpointing_disable": disable,
+        "gradient_checkpointing_disable": disable,
+    }
+    for name, fn in replacements.items():
+        if hasattr(type(model), name):
+            # On the instance, so the class and other models stay as they are.
+            object.__setattr__(model, name, fn)
+
+
+def _install(
+    model: torch.nn.Module, store: TieredStore | None, kwargs: dict[str, Any], every_n_layers: int
+) -> None:
+    setter: Any = model._set_gradient_checkpointing
+    func = functools.partial(checkpoint, store=store, **kwargs)
     if every_n_layers == 1:
         setter(enable=True, gradient_checkpointing_func=func)
-    else:
-        if "every_n_layers" not in inspect.signature(setter).parameters:
-            raise ValueError(
-                f"every_n_layers={every_n_layers!r}: this transformers version checkpoints "
-                "every layer or none"
-            )
-        setter(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
+        return
+    if "every_n_layers" not in inspect.signature(setter).parameters:
+        raise ValueError(
+            f"every_n_layers={every_n_layers!r}: this transformers version checkpoints "
+            "every layer or none"
+        )
+    setter(enable=True, gradient_checkpointing_func=func, every_n_layers=every_n_layers)
+
+
+def _enable_input_grads(model: torch.nn.Module) -> None:
+    # As transformers does when it turns checkpointing on for a model fed token ids (or with
+    # PEFT adapters): the embeddings' output requires grad. Values are unchanged.
+    input_ids = getattr(model, "main_input_name", None) == "input_ids"
+    enable: Any = getattr(model, "enable_input_require_grads", None)
+    if (input_ids or getattr(model, "_hf_peft_config_loaded", False)) and enable is not None:
+        enable()
+
+
+class _StoreFigures:
+    """What ``TierStoreCallback`` does; transformers' base class is added when the callback is
+    first imported, so that this module imports without transformers."""
+
+    def __init__(self, store: TieredStore | None = None) -> None:
+        self._store_arg = store
+        self._last: StoreStats | None = None
+        self._last_step = 0
+
+    def figures(self, step: int) -> dict[str, float]:
+        """The store's figures per step since the last call (cumulative for errors)."""
+        now = resolve_store(self._store_arg).stats()
+        then, counts = _Counts.of(self._last), _Counts.of(now)
+        self._last = now
+        steps = max(1, step - self._last_step)
+        self._last_step = step
+        gib, mib = float(1 << 30), float(1 << 20)
+        return {
+            "tierstore/offloaded_gib": (counts.put - then.put) / steps / gib,
+            "tierstore/host_gib": (counts.host - then.host) / steps / gib,
+            "tierstore/disk_gib": (counts.disk - then.disk) / steps / gib,
+            "tierstore/backward_wait_s": (counts.wait - then.wait) / steps,
+            "tierstore/skipped_mib": (counts.skipped - then.skipped) / steps / mib,
+            "tierstore/read_errors": float(now.read_errors),
+            "tierstore/write_errors": float(now.write_errors),
+        }
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._last = resolve_store(self._store_arg).stats()
+        self._last_step = state.global_step
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        if logs is None or "loss" not in logs:
+            return  # an evaluation's or the run summary's log: nothing trained since
+        figures = self.figures(state.global_step)
+        logs.update(figures)
+        if state.log_history:
+            state.log_history[-1].update(figures)
+
+
+class _Counts(NamedTuple):
+    """The cumulative counters the callback reports differences of."""
+
+    put: float
+    host: float
+    disk: float
+    wait: float
+    skipped: float
+
+    @classmethod
+    def of(cls, s: StoreStats | None) -> _Counts:
+        if s is None:
+            return cls(0, 0, 0, 0.0, 0)
+        skipped = sum(s.skipped_bytes.values())
+        # Host: what reached the host tier and went no further; disk: the true bytes written.
+        host = s.host.total_bytes - s.bytes_to_disk
+        return cls(s.bytes_put, host, s.bytes_to_disk, s.get_wait_seconds, skipped)
+
+
+@functools.cache
+def _callback_class() -> type[_StoreFigures]:
+    from transformers import TrainerCallback
+
+    class TierStoreCallback(_StoreFigures, TrainerCallback):
+        """A ``transformers.TrainerCallback`` that puts the store's figures into the logs.
+
+        At every logging step it adds, per optimizer step since the last log:
+        ``tierstore/offloaded_gib`` (bytes handed to the store), ``tierstore/host_gib`` (of
+        those, kept in host memory) and ``tierstore/disk_gib`` (written to disk),
+        ``tierstore/backward_wait_s``
+        (seconds backward waited for tensors to come back) and ``tierstore/skipped_mib``
+        (bytes left where they were); and, cumulatively, ``tierstore/read_errors`` and
+        ``tierstore/write_errors``. They go into the ``logs`` that later callbacks see and
+        into ``state.log_history``; :func:`attach_callback` puts it first, so that the
+        console line and every reporter (TensorBoard, W&B, ...) show them too.
+
+        Args:
+            store: the store to report on; ``None`` means :func:`tierstore.default_store`.
+        """
+
+    TierStoreCallback.__qualname__ = "TierStoreCallback"
+    return TierStoreCallback
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TierStoreCallback":
+        return _callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def attach_callback(trainer: Any, store: TieredStore | None = None) -> Any:
+    """Add a ``TierStoreCallback`` to ``trainer`` ahead of its other callbacks.
+
+    First, so that the console line, ``state.log_history`` and every reporter see its figures.
+
+    Returns:
+        The callback.
+
+    Example:
+        >>> trainer = Trainer(model=model, args=args, train_dataset=data)  # doctest: +SKIP
+        >>> attach_callback(trainer, store)  # doctest: +SKIP
+    """
+    callback = _callback_class()(store)
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback
