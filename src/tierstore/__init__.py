@@ -18,7 +18,7 @@ from tierstore._state import TensorState, Tier
 from tierstore._stats import StoreStats, TierStats
 from tierstore._store import AsyncTieredStore
 from tierstore._sync import TieredStore, default_store
-from tierstore.adapters import checkpoint, checkpoint_sequential, offload_activations
+from tierstore.adapters import checkpoint, checkpoint_sequential, no_offload, offload_activations
 from tierstore.config import StoreConfig
 from tierstore.errors import (
     ConfigError,
@@ -60,6 +60,7 @@ __all__ = [
     "checkpoint_sequential",
     "default_store",
     "integrations",
+    "no_offload",
     "offload_activations",
 ]
 

@@ -243,3 +243,29 @@ def test_the_callback_puts_the_stores_figures_into_the_logs(tmp_path: Path) -> N
         assert logs["tierstore/offloaded_gib"] > 0 and logs["tierstore/disk_gib"] > 0
         assert logs["tierstore/host_gib"] == 0 and logs["tierstore/backward_wait_s"] >= 0
         assert logs["tierstore/read_errors"] == logs["tierstore/write_errors"] == 0
+
+
+def test_offloading_context_is_the_one_line_swap_for_trl_and_torchtune(tmp_path: Path) -> None:
+    from tierstore.integrations.transformers import offloading_context
+
+    ids = torch.randint(0, 128, (2, 1024), generator=torch.Generator().manual_seed(1))
+    plain = _llama_2mib()
+    torch.manual_seed(4)
+    plain(input_ids=ids, labels=ids).loss.backward()
+    put: dict[bool, int] = {}
+    for keep in (True, False):
+        model = _llama_2mib()
+        with tierstore.TieredStore(
+            device_bytes=0, host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)
+        ) as store:
+            torch.manual_seed(4)
+            with offloading_context(model, store, min_bytes=1024, keep_output_head=keep):
+                loss = model(input_ids=ids, labels=ids).loss
+            put[keep] = store.stats().bytes_put
+            loss.backward()
+            assert store.stats().bytes_from_disk > 2 * 2**20
+        for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+        assert not model.lm_head._forward_pre_hooks and not model.lm_head._forward_hooks
+    # The head's saved input (the final hidden states, 2 MiB) stays in place when kept.
+    assert put[False] - put[True] >= 2 * 1024 * 256 * 4

@@ -19,17 +19,25 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from tierstore.adapters import checkpoint
+from tierstore.adapters import checkpoint, no_offload, offload_activations
 from tierstore.adapters._common import resolve_store
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     import torch
+    from torch.utils.hooks import RemovableHandle
 
     from tierstore._stats import StoreStats
     from tierstore._sync import TieredStore
 
 # TierStoreCallback is made on first use (module __getattr__): it subclasses transformers'.
-__all__ = ["TierStoreCallback", "attach_callback", "enable_offloaded_checkpointing"]  # noqa: F822
+__all__ = [  # noqa: F822
+    "TierStoreCallback",
+    "attach_callback",
+    "enable_offloaded_checkpointing",
+    "offloading_context",
+]
 
 _METHODS = (
     "activation_checkpointing_enable",
@@ -256,3 +264,80 @@ def attach_callback(trainer: Any, store: TieredStore | None = None) -> Any:
     callback = _callback_class()(store)
     trainer.callback_handler.callbacks.insert(0, callback)
     return callback
+
+
+class offloading_context:
+    """TRL's and torchtune's activation offloading for a model, backed by a store.
+
+    What ``get_act_offloading_ctx_manager(model)`` returns in TRL and torchtune, in one line:
+    :func:`tierstore.offload_activations` over the whole forward, except the output head,
+    whose activations backward needs first and which those tools leave in place with their
+    ``NoOpManager`` (here :func:`tierstore.no_offload`). With TRL's ``SFTTrainer``, set
+    ``trainer.maybe_activation_offload_context = offloading_context(trainer.model, store)``
+    instead of ``activation_offloading=True``; in a torchtune recipe, use it where the recipe
+    builds its offloading context.
+
+    Args:
+        model: the model; for a ``transformers.PreTrainedModel`` the head is
+            ``get_output_embeddings()``, otherwise the last child module.
+        store: where activations go; ``None`` means :func:`tierstore.default_store`.
+        min_bytes: tensors smaller than this stay in place (torchtune's ``min_offload_size``);
+            ``None`` means the store's ``min_bytes``.
+        keep_output_head: leave the head's activations in place (default True).
+
+    Raises:
+        ValueError: ``min_bytes`` is negative or not an integer.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        store: TieredStore | None = None,
+        *,
+        min_bytes: int | None = None,
+        keep_output_head: bool = True,
+    ) -> None:
+        self._offload = offload_activations(store, min_bytes=min_bytes)
+        self._head = _output_head(model) if keep_output_head else None
+        self._handles: list[RemovableHandle] = []
+        self._inside: list[Any] = []
+
+    def __enter__(self) -> offloading_context:
+        self._offload.__enter__()
+        if self._head is not None:
+            self._handles = [
+                self._head.register_forward_pre_hook(self._keep),
+                self._head.register_forward_hook(self._resume, always_call=True),
+            ]
+        return self
+
+    def _keep(self, module: torch.nn.Module, args: Any) -> None:
+        inner = no_offload()
+        inner.__enter__()
+        self._inside.append(inner)
+
+    def _resume(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._inside:
+            self._inside.pop().__exit__(None, None, None)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        while self._inside:  # a head that raised before its forward hook ran
+            self._inside.pop().__exit__(None, None, None)
+        self._offload.__exit__(exc_type, exc, tb)
+
+
+def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    get: Any = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        children = list(model.children())
+        head = children[-1] if children else None
+    return head
