@@ -5,7 +5,8 @@
 
 Nothing is downloaded: the model is built from a LlamaConfig with random weights and the data
 set is random token ids. With a real model, call ``enable_offloaded_checkpointing`` the same
-way right after loading it, and leave ``TrainingArguments.activation_checkpointing`` off.
+way right after loading it; the Trainer's own ``activation_checkpointing=True`` then installs
+tierstore's checkpoint too. ``attach_callback`` adds the store's figures to every logged step.
 Each layer's input is 2 MiB here (batch 4, 512 tokens, width 256). Every step prints its loss
 exactly, so the run can be compared with ``--no-offload``: the losses are the same, bit for bit.
 """
@@ -19,7 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import tierstore
-from tierstore.integrations.transformers import enable_offloaded_checkpointing
+from tierstore.integrations.transformers import attach_callback, enable_offloaded_checkpointing
 
 
 def main() -> None:
@@ -70,7 +71,11 @@ def main() -> None:
         use_cpu=True,
         disable_tqdm=True,
     )
-    Trainer(model=model, args=training_args, train_dataset=dataset).train()
+    trainer = Trainer(model=model, args=training_args, train_dataset=dataset)
+    if store is not None:
+        # Each logged step then shows what the store did: tierstore/offloaded_gib, disk_gib, ...
+        attach_callback(trainer, store)
+    trainer.train()
     if store is not None:
         stats = store.stats()
         print(

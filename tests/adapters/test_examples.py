@@ -56,6 +56,8 @@ def test_hf_trainer_example(tmp_path: Path) -> None:
     plain = run_example(*run, "--no-offload", tmp_path=tmp_path)
     assert losses(proc) == losses(plain)
     assert len(losses(proc)) == 2
+    logged = [ln for ln in proc.stdout.splitlines() if "'loss'" in ln]
+    assert len(logged) == 2 and all("'tierstore/disk_gib'" in ln for ln in logged), proc.stdout
     line = [ln for ln in proc.stdout.splitlines() if "layer inputs stored" in ln][-1]
     stored, written, held = (int(w) for w in line.split() if w.isdigit())
     assert stored > 0 and written > 2 * 2**20 and held == 0
