@@ -48,7 +48,8 @@ class Mutant:
 
 
 _POOL = "src/tierstore/tiers/_hostpool.py"
-_RAW = "src/tierstore/tiers/_raw.py"
+_LAYOUT = "src/tierstore/tiers/raw/_layout.py"
+_CHUNK_IO = "src/tierstore/tiers/raw/_chunk_io.py"
 _STORAGE = "src/tierstore/adapters/_storage.py"
 
 MUTANTS = (
@@ -62,9 +63,9 @@ MUTANTS = (
         "the engine reports no lead, so a read is taken from the start of its first page",
         (
             Edit(
-                _RAW,
-                "return blob.lead, _pad(blob.lead + blob.size)",
-                "return 0, _pad(blob.lead + blob.size)",
+                _LAYOUT,
+                "return self.lead, pad(self.lead + self.size)",
+                "return 0, pad(self.lead + self.size)",
             ),
         ),
     ),
@@ -74,7 +75,7 @@ MUTANTS = (
         "with a checksum of what was written (so only a value check sees it)",
         (
             Edit(
-                _RAW,
+                _CHUNK_IO,
                 "        c = blob.chunks[i]\n        src = address + c.start\n",
                 "        c = blob.chunks[i]\n"
                 "        j = {1: 2, 2: 1}.get(i, i) if len(blob.chunks) > 3 else i\n"
@@ -87,14 +88,14 @@ MUTANTS = (
         "the last 64 bytes of a blob's last chunk are zeroed after its checksum was verified",
         (
             Edit(
-                _RAW,
-                "    def _verify(self, blob: _Blob, i: int, address: int) -> None:\n",
-                "    def _verify(self, blob: _Blob, i: int, address: int) -> None:\n"
-                "        self._verify_real(blob, i, address)\n"
+                _CHUNK_IO,
+                "    def verify(self, blob: Blob, i: int, address: int) -> None:\n",
+                "    def verify(self, blob: Blob, i: int, address: int) -> None:\n"
+                "        self.verify_real(blob, i, address)\n"
                 "        n = blob.chunks[i].length\n"
                 "        if i == len(blob.chunks) - 1 and n >= 64:\n"
                 "            memset(address + n - 64, 0, 64)\n\n"
-                "    def _verify_real(self, blob: _Blob, i: int, address: int) -> None:\n",
+                "    def verify_real(self, blob: Blob, i: int, address: int) -> None:\n",
             ),
         ),
     ),

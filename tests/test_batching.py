@@ -12,7 +12,7 @@ import torch
 from reliability.faults import FaultyEngine, install
 from tierstore import AsyncTieredStore, TensorHandle, Tier
 from tierstore.tiers import DiskEngine
-from tierstore.tiers._raw import RawEngine
+from tierstore.tiers.raw import RawEngine
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -17,7 +17,7 @@ from reliability.faults import install, settled, wait_for
 from tierstore import TensorModifiedError, TensorState, Tier, TieredStore
 from tierstore.config import StoreConfig
 from tierstore.tiers._engine import WriteRequest
-from tierstore.tiers._raw import RawEngine
+from tierstore.tiers.raw import RawEngine
 
 MiB = 1 << 20
 MakeStore = Callable[..., TieredStore]

@@ -32,7 +32,7 @@ def _pinning() -> tuple[bool, str]:
 
 def _directory(path: Path) -> dict[str, object]:
     from tierstore.bench._system import filesystem_of
-    from tierstore.tiers._raw import probe_direct_io
+    from tierstore.tiers.raw import probe_direct_io
 
     if not path.is_dir():
         return {"path": str(path), "exists": False}

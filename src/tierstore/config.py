@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from tierstore.errors import ConfigError
+from tierstore.tiers._engine import engine_names
 
 __all__ = ["ENV_PREFIX", "MAX_TIMEOUT", "StoreConfig", "check_timeout", "parse_size"]
 
@@ -54,7 +55,6 @@ _MAX_DIGITS = 40
 _INT_RE = re.compile(r"\s*[+-]?[0-9]+\s*", flags=re.ASCII)
 
 DirectIO = Literal["auto", "on", "off"]
-DiskFormat = Literal["raw", "zarr"]
 Checksum = Literal["crc32c", "none"]
 
 
@@ -253,8 +253,9 @@ class StoreConfig:
     """Size of one disk request; a multiple of 4096."""
     direct_io: DirectIO = "auto"
     """O_DIRECT: ``auto`` uses it where the filesystem accepts it."""
-    disk_format: DiskFormat = "raw"
-    """Spill file format: ``raw`` extents, or one zarr v3 array per tensor."""
+    disk_format: str = "raw"
+    """The disk engine, by its registered name: ``raw`` extents, ``zarr`` (one zarr v3 array
+    per tensor), or an engine of your own (Note: [Engines register by name])."""
     checksum: Checksum = "crc32c"
     """Checksum of spilled bytes, verified on every read."""
 
@@ -342,7 +343,7 @@ def _parse_field(field: str, name: str, value: object) -> object:
     if field == "direct_io":
         return _parse_choice(value, name=name, choices=("auto", "on", "off"))  # type: ignore[arg-type]
     if field == "disk_format":
-        return _parse_choice(value, name=name, choices=("raw", "zarr"))  # type: ignore[arg-type]
+        return _parse_choice(value, name=name, choices=engine_names())  # type: ignore[arg-type]
     if field == "checksum":
         return _parse_choice(value, name=name, choices=("crc32c", "none"))  # type: ignore[arg-type]
     if field == "disk_dirs":

@@ -252,7 +252,7 @@ def test_unwritable_or_unreachable_disk_dir_is_refused_for_a_normal_user(
         locked.mkdir(mode=0o755)  # reachable, but owned by root: nobody may not write here
         code = f"""
             import os
-            import tierstore, tierstore.tiers._raw  # import first: the interpreter is under /root
+            import tierstore, tierstore.tiers.raw  # import first: the interpreter is under /root
             os.setgid(65534); os.setuid(65534)  # nobody
             for d in ({str(locked)!r}, {str(unreachable)!r}):
                 try:
@@ -443,7 +443,7 @@ def test_the_probe_grows_its_file_as_the_engine_does(
     import errno
     import fcntl
 
-    from tierstore.tiers._raw import probe_direct_io
+    from tierstore.tiers.raw import probe_direct_io
 
     real_fallocate = os.posix_fallocate
 
@@ -536,12 +536,12 @@ def test_a_full_striped_directory_is_skipped_without_root(
     """The same with ENOSPC injected: growing the first directory's spill file fails."""
     import errno
 
-    from tierstore.tiers import _raw
+    from tierstore.tiers.raw._spill_file import SpillFile
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
     b.mkdir()
-    real_fallocate, real_free = os.posix_fallocate, _raw._SpillFile.free_space
+    real_fallocate, real_free = os.posix_fallocate, SpillFile.free_space
     full = {"a": True}
 
     def fallocate(fd: int, offset: int, length: int) -> None:
@@ -554,7 +554,7 @@ def test_a_full_striped_directory_is_skipped_without_root(
         return 0 if full["a"] and inside_a else real_free(self)
 
     monkeypatch.setattr(os, "posix_fallocate", fallocate)
-    monkeypatch.setattr(_raw._SpillFile, "free_space", free_space)
+    monkeypatch.setattr(SpillFile, "free_space", free_space)
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         store = TieredStore(disk_dir=[a, b], host_bytes=0, min_bytes=0, io_chunk_bytes="1MiB")
         try:
@@ -608,7 +608,7 @@ def test_the_o_direct_probe_never_raises_and_removes_only_its_own_file(
     """Without root: the errors a read-only mount and an over-long path give, injected."""
     import errno
 
-    from tierstore.tiers._raw import probe_direct_io
+    from tierstore.tiers.raw import probe_direct_io
 
     real_open, real_unlink = os.open, os.unlink
     unlinked: list[str] = []

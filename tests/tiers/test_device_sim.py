@@ -540,16 +540,16 @@ def test_spills_move_between_the_pinned_pool_and_the_disk_without_a_copy(
 ) -> None:
     """Note: [The pinned pool]: buffers are page-aligned, so the raw engine writes a big
     tensor's host copy and reads it back with O_DIRECT straight from and into the pool."""
-    from tierstore.tiers import _raw
+    from tierstore.tiers.raw import _chunk_io
 
     copied: list[tuple[int, int]] = []
-    real = _raw.memmove
+    real = _chunk_io.memmove
 
     def spy(dst: int, src: int, n: int) -> None:
         copied.append((dst, src))
         real(dst, src, n)
 
-    monkeypatch.setattr(_raw, "memmove", spy)
+    monkeypatch.setattr(_chunk_io, "memmove", spy)
     store = env.store("host", host_bytes=8 * MiB, direct_io="on")
     big = [produced("cuda:0", "contiguous", seed=i, rows=768, cols=1024) for i in range(3)]
     hs = [store.put(t) for t, _ in big]

@@ -12,10 +12,9 @@ import zarr
 
 from tierstore.config import StoreConfig
 from tierstore.errors import CorruptTensorError
+from tierstore.testing import CHUNK, EngineTests, make_dirs, random_bytes
 from tierstore.tiers import open_engine
 from tierstore.tiers._zarr import GROUP, ZarrEngine
-
-from .engine_conformance import CHUNK, EngineConformance, make_dirs, random_bytes
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -32,7 +31,7 @@ def _chunk_files(engine: DiskEngine, key: int) -> list[Path]:
     return sorted(p for p in (_array_dir(engine, key) / "c").rglob("*") if p.is_file())
 
 
-class TestZarrConformance(EngineConformance):
+class TestZarrEngine(EngineTests):
     engine_class = ZarrEngine
 
     def backdoor_read(self, engine: DiskEngine, key: int) -> bytes:

@@ -1,25 +1,14 @@
-"""Tier backends: the disk engines (raw extents, zarr) and the host pool."""
+"""The tiers below the device: the disk engines and their registry, the host pools, and the
+device runtime seam."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from tierstore.tiers._engine import (
+    DiskEngine,
+    WriteRequest,
+    engine_class,
+    engine_names,
+    open_engine,
+)
 
-from tierstore.tiers._engine import DiskEngine, WriteRequest
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from tierstore.config import StoreConfig
-
-__all__ = ["DiskEngine", "WriteRequest", "open_engine"]
-
-
-def open_engine(directories: tuple[Path, ...], config: StoreConfig) -> DiskEngine:
-    """The engine ``config.disk_format`` names, over ``directories``."""
-    if config.disk_format == "zarr":
-        from tierstore.tiers._zarr import ZarrEngine
-
-        return ZarrEngine(directories, config)
-    from tierstore.tiers._raw import RawEngine
-
-    return RawEngine(directories, config)
+__all__ = ["DiskEngine", "WriteRequest", "engine_class", "engine_names", "open_engine"]

@@ -1,17 +1,26 @@
-"""The disk engine contract: store and load byte blobs by integer key in private directories.
+"""The disk engine contract, and the registry that finds an engine by its name.
 
-An engine owns files inside the per-process spill directories it is given (see
-``_spilldir.py``) and nothing else. The store calls it from its event loop; an engine does its
-blocking work on its own threads and must never block the loop. Each engine passes the shared
-conformance tests in ``tests/tiers/engine_conformance.py``.
+An engine stores and loads byte blobs by integer key. It owns files inside the per-process
+spill directories it is given (see ``_spilldir.py``) and nothing else. The store calls it from
+its event loop; an engine does its blocking work on its own threads and must never block the
+loop. Every engine passes the shared conformance suite, :class:`tierstore.testing.EngineTests`.
+
+Note: [Engines register by name]
+    A subclass of :class:`DiskEngine` that sets ``name`` registers itself under that name when
+    its class is made: ``TIERSTORE_DISK_FORMAT`` then accepts the name, and the store opens
+    the engine with it. The built-in engines are listed by module and class, and imported only
+    when a store uses them (zarr is slow to import). A wrapper that is not an engine of its
+    own (a fault injector) passes ``register=False``.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import importlib
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -21,7 +30,15 @@ if TYPE_CHECKING:
 
     from tierstore.config import StoreConfig
 
-__all__ = ["DiskEngine", "WriteRequest"]
+__all__ = [
+    "DiskEngine",
+    "WriteRequest",
+    "check_bytes",
+    "engine_class",
+    "engine_names",
+    "is_bytes",
+    "open_engine",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +83,13 @@ class DiskEngine(abc.ABC):
     """
 
     name: ClassVar[str]
-    """The ``TIERSTORE_DISK_FORMAT`` value that selects this engine."""
+    """The ``TIERSTORE_DISK_FORMAT`` value that selects this engine (Note: [Engines register
+    by name])."""
+
+    def __init_subclass__(cls, *, register: bool = True, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if register and "name" in cls.__dict__:
+            _register(cls.name, cls)
 
     def __init__(self, directories: tuple[Path, ...], config: StoreConfig) -> None:
         self.directories = directories
@@ -152,3 +175,79 @@ class DiskEngine(abc.ABC):
     def describe(self) -> dict[str, object]:
         """What the engine detected (direct I/O, chunking), for ``python -m tierstore info``."""
         return {"format": self.name}
+
+
+def check_bytes(t: torch.Tensor, name: str) -> None:
+    """Refuse a ``src`` or ``out`` that is not what the contract takes.
+
+    Raises:
+        TypeError: ``t`` is not a 1-D contiguous ``uint8`` CPU tensor.
+    """
+    if not is_bytes(t):
+        raise TypeError(
+            f"{name} must be a 1-D contiguous uint8 CPU tensor, got {t.dtype} {tuple(t.shape)} "
+            f"on {t.device}"
+        )
+
+
+def is_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a 1-D contiguous ``uint8`` CPU tensor."""
+    import torch
+
+    return t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous() and t.device.type == "cpu"
+
+
+# ------------------------------------------------------------------ the registry
+
+_BUILTIN = {
+    "raw": "tierstore.tiers.raw._engine:RawEngine",
+    "zarr": "tierstore.tiers._zarr:ZarrEngine",
+}
+# name -> "module:class" until first used, then the class.
+_engines: dict[str, type[DiskEngine] | str] = dict(_BUILTIN)
+_engines_lock = threading.Lock()
+
+
+def _register(name: str, cls: type[DiskEngine]) -> None:
+    if not name or name != name.strip().lower():
+        raise ValueError(f"a disk engine's name must be lower case, got {name!r}")
+    where = f"{cls.__module__}:{cls.__qualname__}"
+    with _engines_lock:
+        known = _engines.get(name)
+        if known is not None and not isinstance(known, str):
+            known = f"{known.__module__}:{known.__qualname__}"
+        if known is not None and known != where:
+            raise ValueError(
+                f"a disk engine named {name!r} is already registered ({known}); "
+                "give the new engine another name"
+            )
+        _engines[name] = cls
+
+
+def engine_names() -> tuple[str, ...]:
+    """The names ``TIERSTORE_DISK_FORMAT`` accepts, built-in engines first."""
+    with _engines_lock:
+        extra = sorted(n for n in _engines if n not in _BUILTIN)
+    return (*_BUILTIN, *extra)
+
+
+def engine_class(name: str) -> type[DiskEngine]:
+    """The engine registered as ``name``, imported now if it is a built-in one not yet used.
+
+    Raises:
+        KeyError: no engine has that name.
+    """
+    with _engines_lock:
+        found = _engines[name]
+    if isinstance(found, str):
+        module, _, attr = found.partition(":")
+        cls: type[DiskEngine] = getattr(importlib.import_module(module), attr)
+        with _engines_lock:
+            _engines[name] = cls
+        return cls
+    return found
+
+
+def open_engine(directories: tuple[Path, ...], config: StoreConfig) -> DiskEngine:
+    """The engine ``config.disk_format`` names, over ``directories``."""
+    return engine_class(config.disk_format)(directories, config)

@@ -1,6 +1,6 @@
 """The raw engine moves a tensor 64 bytes past a page straight from and to its pages.
 
-See Note: [A tensor's lead] in ``_raw.py``. The memory here sits between two ``PROT_NONE``
+See Note: [A tensor's lead]. The memory here sits between two ``PROT_NONE``
 guard pages, so a transfer that reaches past the pages holding the tensor fails (EFAULT) and a
 copy past them crashes, instead of going unnoticed.
 """
@@ -18,11 +18,13 @@ import torch
 
 from tierstore.config import StoreConfig
 from tierstore.errors import CorruptTensorError
-from tierstore.tiers import _raw
-from tierstore.tiers._raw import PAGE, RawEngine
+from tierstore.testing import CHUNK, make_dirs, random_bytes
+from tierstore.tiers.raw import RawEngine
+from tierstore.tiers.raw import _chunk_io as chunk_io
+from tierstore.tiers.raw import _syscalls as syscalls
+from tierstore.tiers.raw._syscalls import PAGE
 
-from .engine_conformance import CHUNK, make_dirs, random_bytes
-from .raw_files import stored_bytes
+from .backdoor import stored_bytes
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
@@ -65,7 +67,7 @@ def _guarded(offset: int, nbytes: int) -> _Guarded:
 @pytest.fixture
 async def engine(tmp_path: Path) -> AsyncIterator[RawEngine]:
     e = RawEngine(make_dirs(tmp_path, 1), StoreConfig.from_env({}, io_chunk_bytes=CHUNK))
-    if not e._leads:
+    if not all(e.describe()["direct_io"].values()):  # type: ignore[union-attr]
         await e.close()
         pytest.skip(f"{tmp_path} refuses O_DIRECT: buffered I/O takes any address, no lead")
     yield e
@@ -76,13 +78,13 @@ async def engine(tmp_path: Path) -> AsyncIterator[RawEngine]:
 def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Bytes the engine copies through its bounce buffers."""
     counted: list[int] = []
-    real = _raw.memmove
+    real = chunk_io.memmove
 
     def counting(dst: int, src: int, nbytes: int) -> None:
         counted.append(nbytes)
         real(dst, src, nbytes)
 
-    monkeypatch.setattr(_raw, "memmove", counting)
+    monkeypatch.setattr(chunk_io, "memmove", counting)
     yield counted
 
 
@@ -99,7 +101,7 @@ async def test_a_tensor_64_bytes_past_a_page_is_written_from_its_own_pages(
     engine: RawEngine, copies: list[int]
 ) -> None:
     src = await _write(engine, 64)
-    blob = engine._blobs[1]
+    blob = engine.layout(1)
     assert blob.lead == 64
     assert copies == []  # no bounce buffer, and the guard pages were never touched
     assert stored_bytes(engine, 1) == src.numpy().tobytes()
@@ -161,7 +163,7 @@ async def test_damage_in_the_lead_is_not_data_and_damage_after_it_is_caught(
     engine: RawEngine,
 ) -> None:
     src = await _write(engine, 64, seed=3)
-    c = engine._blobs[1].chunks[0]
+    c = engine.layout(1).chunks[0]
     with open(c.file.path, "r+b") as f:
         f.seek(c.offset + 10)
         f.write(b"\xff\x00")
@@ -179,7 +181,7 @@ async def test_an_address_not_64_bytes_past_a_page_goes_through_the_bounce_buffe
     engine: RawEngine, copies: list[int]
 ) -> None:
     src = await _write(engine, 65, seed=4)
-    assert engine._blobs[1].lead == 0
+    assert engine.layout(1).lead == 0
     assert sum(copies) == SIZE
     out = torch.empty(SIZE, dtype=torch.uint8)
     await engine.read(1, out)
@@ -205,7 +207,7 @@ async def test_buffered_io_keeps_no_lead(tmp_path: Path) -> None:
     engine = RawEngine(make_dirs(tmp_path, 1), config)
     try:
         src = await _write(engine, 64, seed=6)
-        assert engine._blobs[1].lead == 0
+        assert engine.layout(1).lead == 0
         assert engine.read_window(1, SIZE) == (0, SIZE)
         out = torch.empty(SIZE, dtype=torch.uint8)
         await engine.read(1, out)
@@ -221,6 +223,6 @@ def test_the_guard_pages_really_guard(tmp_path: Path) -> None:
     fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         with pytest.raises(OSError, match="Bad address"):
-            os.pwrite(fd, _raw._memory(beyond, PAGE), 0)
+            os.pwrite(fd, syscalls.memory(beyond, PAGE), 0)
     finally:
         os.close(fd)

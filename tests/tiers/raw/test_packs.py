@@ -1,5 +1,5 @@
 """Small blobs in the raw engine: packs, grouped reads, batch calls (Note: [Small blobs travel
-in packs] in ``tiers/_raw.py``)."""
+in packs])."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import torch
 
 from tierstore.config import StoreConfig
 from tierstore.errors import CorruptTensorError
+from tierstore.testing import KiB, MiB, make_dirs, random_bytes
 from tierstore.tiers import WriteRequest, _checksum, _memcopy
-from tierstore.tiers._raw import PAGE, RawEngine
+from tierstore.tiers.raw import RawEngine
+from tierstore.tiers.raw._layout import PackedBlob
+from tierstore.tiers.raw._syscalls import PAGE
 
-from .engine_conformance import KiB, MiB, make_dirs, random_bytes
-from .raw_files import stored_bytes
+from .backdoor import stored_bytes
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -37,6 +39,12 @@ async def engine(tmp_path: Path, config: StoreConfig) -> AsyncIterator[RawEngine
     await e.close()
 
 
+def _packed(engine: RawEngine, key: int) -> PackedBlob:
+    blob = engine.layout(key)
+    assert isinstance(blob, PackedBlob)
+    return blob
+
+
 async def _read_back(engine: RawEngine, srcs: dict[int, torch.Tensor]) -> None:
     for k, t in srcs.items():
         out = torch.empty_like(t)
@@ -48,7 +56,7 @@ async def test_writes_arriving_together_go_out_as_one_pack(engine: RawEngine) ->
     srcs = {k: random_bytes(5 * KiB + k, seed=k) for k in range(64)}  # 64 x 8 KiB padded
     await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
     assert engine.packs_written == 1
-    extents = sorted(engine._blobs[k].extents[0][1] for k in srcs)
+    extents = sorted(_packed(engine, k).offset for k in srcs)
     # Each blob owns its own page-aligned piece, one after another.
     assert extents == [extents[0] + i * 2 * PAGE for i in range(64)]
     for k, t in srcs.items():
@@ -65,7 +73,7 @@ async def test_a_full_pack_goes_out_and_the_next_one_opens(engine: RawEngine) ->
 async def test_blobs_bigger_than_a_pack_are_not_packed(engine: RawEngine) -> None:
     await engine.write(1, random_bytes(MiB + 1))
     assert engine.packs_written == 0
-    assert len(engine._blobs[1].chunks) == 2
+    assert len(engine.layout(1).pieces()) == 2
 
 
 async def test_a_packed_blob_is_freed_on_its_own(engine: RawEngine) -> None:
@@ -75,9 +83,9 @@ async def test_a_packed_blob_is_freed_on_its_own(engine: RawEngine) -> None:
     await engine.delete(3)
     assert engine.reusable_bytes() == free + 16 * KiB
     # The hole is reused by the next blob that fits, and the neighbours are untouched.
-    hole = engine._blobs[4].extents[0][1] - 16 * KiB
+    hole = _packed(engine, 4).offset - 16 * KiB
     await engine.write(99, random_bytes(16 * KiB, seed=99))
-    assert engine._blobs[99].extents[0][1] == hole
+    assert _packed(engine, 99).offset == hole
     del srcs[3]
     await _read_back(engine, srcs)
 
@@ -105,11 +113,11 @@ async def test_neighbours_are_read_with_one_request(
 async def test_a_damaged_blob_fails_alone_in_its_group(engine: RawEngine) -> None:
     srcs = {k: random_bytes(12 * KiB, seed=k) for k in range(6)}
     await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
-    c = engine._blobs[2].chunks[0]
-    with open(c.file.path, "r+b") as f:
-        f.seek(c.offset + 100)
+    b = _packed(engine, 2)
+    with open(b.file.path, "r+b") as f:
+        f.seek(b.offset + 100)
         byte = f.read(1)
-        f.seek(c.offset + 100)
+        f.seek(b.offset + 100)
         f.write(bytes([byte[0] ^ 0x10]))
     outs = {k: torch.empty_like(t) for k, t in srcs.items()}
     results = await asyncio.gather(*(engine.read(k, outs[k]) for k in srcs), return_exceptions=True)
@@ -136,7 +144,7 @@ async def test_a_failed_pack_fails_every_blob_in_it_and_frees_its_space(
         return_exceptions=True,
     )
     assert all(isinstance(r, OSError) and r.errno == errno.EIO for r in results)
-    assert set(engine._blobs) == {0}
+    assert engine.holds(0) and not any(engine.holds(k) for k in range(1, 9))
     assert engine.reusable_bytes() == free
 
 
@@ -148,8 +156,8 @@ async def test_a_cancelled_packed_write_leaves_no_space_taken(engine: RawEngine)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.wait(set(engine._batch_tasks))  # the pack is written all the same...
-    assert 1 not in engine._blobs
+    await engine.drain()  # the pack is written all the same...
+    assert not engine.holds(1)
     assert engine.reusable_bytes() == free  # ...and its piece given back
 
 

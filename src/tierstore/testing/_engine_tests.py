@@ -1,16 +1,33 @@
-"""One conformance test class every disk engine passes.
+"""The conformance suite every disk engine passes, as an importable class.
 
-A test module subclasses :class:`EngineConformance`, names the engine class, and implements the
-backdoors: reading a key's bytes straight from the files, damaging them, and listing the files.
-The backdoors never go through the engine's ``read``, so a test catches an engine whose reads
-agree with its writes while the files hold something else.
+A test module subclasses :class:`EngineTests`, names the engine class, and implements the
+backdoors: reading a key's bytes straight from the files, damaging them, and listing the
+directories that hold them. The backdoors never go through the engine's ``read``, so a test
+catches an engine whose reads agree with its writes while the files hold something else::
+
+    from tierstore.testing import EngineTests
+
+    class TestMyEngine(EngineTests):
+        engine_class = MyEngine
+
+        def backdoor_read(self, engine, key): ...
+        def damage_byte(self, engine, key): ...
+        def truncate(self, engine, key): ...
+        def dirs_holding(self, engine, key): ...
+
+Sizes sit at the page edges (1, 4095, 4096, 4097) and past several chunks; the suite also
+checks concurrency, reuse of freed space, removal at close, private file modes, damage and
+truncation, striping over two directories, the engine's registration by name, and a store
+spilling through it.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import os
 import stat
+import time
 from typing import TYPE_CHECKING, ClassVar
 
 import pytest
@@ -18,12 +35,24 @@ import torch
 
 from tierstore.config import StoreConfig
 from tierstore.errors import CorruptTensorError
+from tierstore.tiers import engine_class, engine_names
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
     from pathlib import Path
 
     from tierstore.tiers import DiskEngine
+
+__all__ = [
+    "CHUNK",
+    "SIZES",
+    "EngineTests",
+    "KiB",
+    "MiB",
+    "make_dirs",
+    "random_bytes",
+    "random_bytes_at",
+]
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -60,29 +89,34 @@ def make_dirs(tmp_path: Path, n: int) -> tuple[Path, ...]:
     return tuple(dirs)
 
 
-class EngineConformance:
-    """The behaviour :class:`~tierstore.tiers.DiskEngine` promises, checked for one engine."""
+class EngineTests(abc.ABC):
+    """The behaviour :class:`~tierstore.tiers.DiskEngine` promises, checked for one engine.
+
+    Subclass it as ``Test<Engine>`` with ``engine_class`` set and the four backdoors
+    implemented; ``n_dirs`` (default 1) is how many spill directories the ``engine`` fixture
+    gets. Override the ``config`` fixture to test other settings.
+    """
 
     engine_class: ClassVar[type[DiskEngine]]
     n_dirs: ClassVar[int] = 1
 
     # -- backdoors each engine's test module implements ---------------------------------------
 
+    @abc.abstractmethod
     def backdoor_read(self, engine: DiskEngine, key: int) -> bytes:
         """The bytes of ``key`` read from the files without the engine."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def damage_byte(self, engine: DiskEngine, key: int) -> None:
         """Flip one byte of ``key``'s data in its file."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def truncate(self, engine: DiskEngine, key: int) -> None:
         """Cut the file holding the end of ``key``'s data short."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def dirs_holding(self, engine: DiskEngine, key: int) -> set[Path]:
         """The directories whose files hold some of ``key``'s bytes."""
-        raise NotImplementedError
 
     # -- fixtures ----------------------------------------------------------------------------
 
@@ -243,6 +277,36 @@ class EngineConformance:
             await engine.close()
         for d in engine.directories:
             assert list(d.iterdir()) == []
+
+    # -- registration and use by a store ---------------------------------------------------
+
+    def test_the_engine_is_found_by_its_name(self) -> None:
+        # Note: [Engines register by name].
+        name = self.engine_class.name
+        assert name in engine_names()
+        assert engine_class(name) is self.engine_class
+        assert StoreConfig.from_env({}, disk_format=name).disk_format == name
+
+    def test_a_store_spills_through_it_and_reads_back(self, tmp_path: Path) -> None:
+        from tierstore import Tier, TieredStore
+
+        srcs = [random_bytes(n, seed=n).view(-1) for n in (4097, 3 * CHUNK + 5)]
+        with TieredStore(
+            disk_dir=tmp_path,
+            disk_format=self.engine_class.name,
+            device_bytes=0,
+            host_bytes=0,
+            min_bytes=0,
+            io_chunk_bytes=CHUNK,
+        ) as store:
+            hs = [store.put(t) for t in srcs]
+            deadline = time.monotonic() + 30
+            while store.stats().inflight_bytes and time.monotonic() < deadline:
+                time.sleep(0.005)
+            for h, t in zip(hs, srcs, strict=True):
+                assert store.tier_of(h) is Tier.DISK
+                assert torch.equal(store.get(h), t)
+        assert list(tmp_path.iterdir()) == []
 
 
 def _file_bytes(directories: tuple[Path, ...]) -> int:

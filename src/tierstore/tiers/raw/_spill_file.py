@@ -1,0 +1,107 @@
+"""One spill file per spill directory: created private, grown on demand, carved into extents."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from typing import TYPE_CHECKING
+
+from tierstore.tiers.raw._extents import Extents
+from tierstore.tiers.raw._syscalls import O_DIRECT, pad
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+__all__ = ["GROW_MAX", "GROW_MIN", "SPILL_FILE", "SpillFile"]
+
+SPILL_FILE = "spill.raw"
+"""Name of the spill file inside each private spill directory."""
+
+GROW_MIN = 64 << 20
+GROW_MAX = 1 << 30
+# The file grows by doubling, from 64 MiB up to steps of 1 GiB: few fallocate calls for a big
+# spill, little unused reservation for a small one. Near a full disk it grows by exactly what
+# the blob needs before giving up with ENOSPC.
+
+
+class SpillFile:
+    """One spill file: its descriptor, whether it is open with O_DIRECT, and its extents.
+
+    Args:
+        directory: the private spill directory it is made in (``SPILL_FILE``, mode 0600,
+            ``O_EXCL|O_NOFOLLOW``: a planted file or link is refused).
+        direct: open it with O_DIRECT.
+
+    Raises:
+        OSError: the file cannot be created.
+    """
+
+    def __init__(self, directory: Path, direct: bool) -> None:
+        self.path = directory / SPILL_FILE
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = os.open(self.path, flags | (O_DIRECT if direct else 0), 0o600)
+        if not direct:
+            # Reads are whole chunks already; readahead would only pull neighbouring extents
+            # into the page cache, which spilling is meant to empty.
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self.direct = direct
+        self.extents = Extents()
+        self.grow_lock = threading.Lock()
+        self.full = False
+        """The last growth failed with ENOSPC/EDQUOT (Note: [A full directory is skipped])."""
+        self.warned_full = False
+
+    def free_space(self) -> int:
+        """Bytes the filesystem of this file's directory has free for this user."""
+        try:
+            st = os.statvfs(self.path.parent)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
+
+    def grow_and_alloc(self, nbytes: int) -> int | None:
+        """Grow the file if it still lacks ``nbytes`` free, then allocate them (on an I/O thread).
+
+        Note: [One growth for many waiting writers]
+            Many writers can find the file full at once (the store keeps hundreds of small
+            writes in flight). Each one lands here, but under ``grow_lock`` only the first
+            grows; the others find the new space and allocate from it. Without this check
+            every writer doubled the file, and a benchmark filled an 80 GB disk.
+
+        Raises:
+            OSError: ENOSPC (or another errno) when the filesystem cannot give the space; the
+                file is left at its old size.
+        """
+        with self.grow_lock:
+            offset = self.extents.alloc(nbytes)
+            if offset is not None:
+                return offset
+            old = self.extents.size
+            step = min(max(old, GROW_MIN), GROW_MAX)
+            for amount in dict.fromkeys((max(pad(nbytes), step), pad(nbytes))):
+                try:
+                    os.posix_fallocate(self.fd, old, amount)
+                except OSError as e:
+                    # A failed fallocate may leave blocks reserved past the old end.
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(self.fd, old)
+                    if e.errno != errno.ENOSPC or amount == pad(nbytes):
+                        raise OSError(
+                            e.errno,
+                            f"growing {self.path} by {amount} bytes: {e.strerror}",
+                            str(self.path),
+                        ) from e
+                    continue
+                self.extents.grown(amount)
+                break
+            # None only if the loop thread took the new space first; the caller tries again.
+            return self.extents.alloc(nbytes)
+
+    def close(self) -> None:
+        """Close and remove the file (errors ignored: it is the process's own scratch)."""
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
