@@ -23,7 +23,7 @@ import torch
 
 from tierstore.config import StoreConfig, parse_size
 from tierstore.tiers._checksum import IMPLEMENTATION, crc32c
-from tierstore.tiers._raw import RawEngine
+from tierstore.tiers.raw import RawEngine
 
 
 async def _point(

@@ -21,7 +21,7 @@ import torch
 
 from tierstore.bench._system import measure_raw_limit
 from tierstore.config import StoreConfig
-from tierstore.tiers._raw import RawEngine
+from tierstore.tiers.raw import RawEngine
 
 N, SIZE = 8, 128 << 20
 

@@ -40,7 +40,8 @@ from pathlib import Path
 from tierstore.config import parse_size
 from tierstore.tiers._checksum import crc32c
 from tierstore.tiers._memcopy import memmove
-from tierstore.tiers._raw import _pread_all, _pwrite_all, probe_direct_io
+from tierstore.tiers.raw import probe_direct_io
+from tierstore.tiers.raw._syscalls import pread_all, pwrite_all
 
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _TORCH_OFFSET = 64
@@ -99,7 +100,7 @@ class _Bench:
         view = memoryview(m)
 
         def write(offset: int) -> None:
-            _pwrite_all(self.fd, view[offset : offset + self.chunk], offset)
+            pwrite_all(self.fd, view[offset : offset + self.chunk], offset)
 
         return write
 
@@ -107,7 +108,7 @@ class _Bench:
         view = memoryview(m)
 
         def read(offset: int) -> None:
-            _pread_all(self.fd, view[offset : offset + self.chunk], offset, self.path)
+            pread_all(self.fd, view[offset : offset + self.chunk], offset, self.path)
 
         return read
 
@@ -119,7 +120,7 @@ class _Bench:
             try:
                 memmove(address, source + offset, self.chunk)
                 crc32c(address, self.chunk)
-                _pwrite_all(self.fd, buf, offset)
+                pwrite_all(self.fd, buf, offset)
             finally:
                 self.bounce.put((buf, address))
 
@@ -135,7 +136,7 @@ class _Bench:
             # Each CRC covers the chunk's own data, as in the engine.
             start = max(offset, _TORCH_OFFSET)
             crc32c(base + start, offset + self.chunk - start)
-            _pwrite_all(self.fd, view[offset : offset + self.chunk], offset)
+            pwrite_all(self.fd, view[offset : offset + self.chunk], offset)
 
         return write
 

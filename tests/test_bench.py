@@ -81,7 +81,7 @@ def test_raw_limit_falls_back_to_dd_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tierstore.bench import _system
-    from tierstore.tiers._raw import probe_direct_io
+    from tierstore.tiers.raw import probe_direct_io
 
     if not probe_direct_io(tmp_path).supported:
         pytest.skip(f"{tmp_path} refuses O_DIRECT, which dd's fallback needs")

@@ -215,7 +215,7 @@ def sweep(
 ) -> DiskRun:
     """Measure every path of ``engines`` at every size, ``repeats`` times, in ``d1`` (and
     ``d2`` for striping); ``progress`` is called with a label as each measurement starts."""
-    from tierstore.tiers._raw import probe_direct_io
+    from tierstore.tiers.raw import probe_direct_io
 
     cache = PageCache()
     ctx = Context(d1, d2, cache)

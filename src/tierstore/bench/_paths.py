@@ -143,7 +143,7 @@ def _store_path(disk_format: str, two_dirs: bool, steady: bool) -> PathFn:
 def _engine_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
     """The raw engine alone, without the store: what the store's overhead is measured against."""
     from tierstore.config import StoreConfig
-    from tierstore.tiers._raw import RawEngine
+    from tierstore.tiers.raw import RawEngine
 
     async def run(directory: Path) -> Timing:
         engine = RawEngine((directory,), StoreConfig.from_env())
