@@ -199,3 +199,38 @@ def test_full_runs_the_disk_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[
     argv += ["--engines", "tierstore-raw", "--dir", str(tmp_path), "--no-progress"]
     assert bench.main(argv) == 0
     assert "tierstore-raw" in capsys.readouterr().out
+
+
+def test_the_disk_offloader_baseline_trains_exactly_and_cleans_up(tmp_path: Path) -> None:
+    """The baseline the training benchmark compares with: one file per checkpointed input,
+    deleted once backward used it; the same gradients as plain training."""
+    import torch
+    from torch import nn
+
+    from tierstore.bench._disk_offloader import DiskOffloader
+
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.2), nn.Tanh()) for _ in range(3)]
+    x = torch.randn(512, 64, requires_grad=True)
+    torch.manual_seed(1)
+    h = x
+    for layer in layers:
+        h = layer(h)
+    h.sum().backward()
+    expected = [p.grad.clone() for layer in layers for p in layer.parameters()] + [x.grad.clone()]
+    for layer in layers:
+        layer.zero_grad()
+    x.grad = None
+
+    offloader = DiskOffloader(tmp_path)
+    torch.manual_seed(1)
+    h = x
+    for layer in layers:
+        h = offloader.checkpoint(layer, h)
+    assert len(list(offloader.directory.glob("*.pt"))) <= 3
+    h.sum().backward()
+    got = [p.grad.clone() for layer in layers for p in layer.parameters()] + [x.grad.clone()]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert list(offloader.directory.iterdir()) == []  # every file deleted after use
+    offloader.close()
+    assert list(tmp_path.iterdir()) == []

@@ -69,7 +69,15 @@ def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     by_mode = {r["mode"]: r for r in rows}
-    assert list(by_mode) == ["none", "save_on_cpu", "torch_ckpt", "ts_host", "ts_disk", "ts_ckpt"]
+    assert list(by_mode) == [
+        "none",
+        "save_on_cpu",
+        "torch_ckpt",
+        "disk_baseline",
+        "ts_host",
+        "ts_disk",
+        "ts_ckpt",
+    ]
     for r in rows:
         assert r["rounds"] == 1 and len(r["step_s"]) == 2 and r["step_s_median"] > 0
         assert r["peak_rss_bytes"] >= r["rss_before_bytes"] > 0

@@ -46,6 +46,7 @@ LABELS = {
     "none": "no offloading",
     "save_on_cpu": "torch save_on_cpu",
     "torch_ckpt": "torch.utils.checkpoint",
+    "disk_baseline": "one-file-per-tensor disk offloader (baseline)",
     "ts_host": "tierstore, host tier",
     "ts_disk": "tierstore, disk tier",
     "ts_ckpt": "tierstore.checkpoint, disk",

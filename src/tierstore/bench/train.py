@@ -4,6 +4,9 @@ Modes (each in a fresh process, so peaks do not mix):
   none            plain training, autograd keeps every activation
   save_on_cpu     torch.autograd.graph.save_on_cpu (pin_memory on a GPU)
   torch_ckpt      torch.utils.checkpoint(use_reentrant=False) around each block
+  disk_baseline   a baseline of the one-file-per-tensor disk offloader (axolotl's published
+                  design: torch.save from 4 threads, polling, a prefetch of one; see
+                  tierstore/bench/_disk_offloader.py) checkpointing each block
   ts_host         tierstore.offload_activations, host tier only (device_bytes=0)
   ts_disk         tierstore.offload_activations, disk tier only (device_bytes=0, host_bytes=0)
   ts_ckpt         tierstore.checkpoint around each block, layer inputs on the disk tier
@@ -55,7 +58,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 __all__ = ["MODES", "Report", "main", "measure", "table"]
 
-MODES = ("none", "save_on_cpu", "torch_ckpt", "ts_host", "ts_disk", "ts_ckpt")
+MODES = ("none", "save_on_cpu", "torch_ckpt", "disk_baseline", "ts_host", "ts_disk", "ts_ckpt")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -182,6 +185,11 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         def wrap(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = tierstore.checkpoint(block, x, store=store)
             return out
+    elif mode == "disk_baseline":
+        from tierstore.bench._disk_offloader import DiskOffloader
+
+        offloader = DiskOffloader(args.disk_dir)
+        wrap = offloader.checkpoint
 
     def context() -> AbstractContextManager[Any]:
         if mode == "save_on_cpu":
@@ -268,6 +276,8 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             summary=after.summary(),
         )
         store.close()
+    if mode == "disk_baseline":
+        offloader.close()
     return result
 
 
