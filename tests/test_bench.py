@@ -58,7 +58,18 @@ def test_bench_runs_tiny_and_writes_the_json_schema(tmp_path: Path) -> None:
         "aiofiles",
     } <= engines
     for r in data["results"]:
-        assert set(r) == {"engine", "op", "size_bytes", "gbps_min", "gbps_median", "gbps_max"}
+        assert set(r) == {
+            "engine",
+            "op",
+            "size_bytes",
+            "gbps_min",
+            "gbps_median",
+            "gbps_max",
+            "cpu_s_per_gb",
+        }
+        # Every path reports its CPU per GB; the raw limit's first write has none of its own.
+        if (r["engine"], r["op"]) != ("raw-limit", "write"):
+            assert r["cpu_s_per_gb"] is not None and r["cpu_s_per_gb"] >= 0, r
         assert r["op"] in {"write", "read"}
         # Overwriting is a write-only figure: reads have one limit.
         assert r["engine"] != "raw-limit-overwrite" or r["op"] == "write"

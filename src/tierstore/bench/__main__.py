@@ -154,6 +154,19 @@ def headline(disk: list[dict[str, Any]], report: train.Report) -> str:
             "fio writing a new file)"
         )
     lines.append("first spill, into new space: " + "; ".join(first))
+
+    def cpu(engine: str, op: str, size: int) -> str:
+        row = by.get((engine, op, size))
+        value = row.get("cpu_s_per_gb") if row else None
+        return "-" if value is None else f"{value:.3f}"
+
+    for size in QUICK_SIZES:
+        lines.append(
+            f"CPU seconds per GB at {size // MiB} MiB: tierstore write "
+            f"{cpu('tierstore-raw-steady', 'write', size)} read "
+            f"{cpu('tierstore-raw-steady', 'read', size)}; the disk tool write "
+            f"{cpu('raw-limit-overwrite', 'write', size)} read {cpu('raw-limit', 'read', size)}"
+        )
     results = report.results
     base = next((r for r in results if r["mode"] == "none"), None)
     lines += [

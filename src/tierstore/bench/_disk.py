@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -221,6 +222,7 @@ def sweep(
     ctx = Context(d1, d2, cache)
     paths = [e for e in engines if e != "raw-limit"]
     write: dict[tuple[str, int], list[float]] = {}
+    cpu: dict[tuple[str, str, int], list[float]] = {}
     read: dict[tuple[str, int], list[float]] = {}
     cached: dict[str, list[int]] = {}
     us_per_tensor: dict[str, list[float]] = {}
@@ -233,6 +235,7 @@ def sweep(
         # next to the paths it is compared with, in each repeat.
         tensors = _make_tensors(size, max(1, min(MAX_TENSORS, total // size)))
         nbytes = sum(t.numel() for t in tensors)
+        gb = nbytes / 1e9
         for _ in range(repeats):
             if "raw-limit" in engines:
                 progress(f"raw-limit {_size_name(size)}")
@@ -249,6 +252,8 @@ def sweep(
                 for label, t in rounds:
                     write.setdefault((label, size), []).append(nbytes / t.write_s / 1e9)
                     read.setdefault((label, size), []).append(nbytes / t.read_s / 1e9)
+                    cpu.setdefault((label, "write", size), []).append(t.write_cpu_s / gb)
+                    cpu.setdefault((label, "read", size), []).append(t.read_cpu_s / gb)
                     if t.cached_delta_bytes is not None:
                         cached.setdefault(f"{label} {_size_name(size)}", []).append(
                             t.cached_delta_bytes
@@ -265,19 +270,29 @@ def sweep(
     for size in sizes:
         if size in limit_by_size:
             here = limit_by_size[size]
-            for engine, op, values in (
-                ("raw-limit", "write", [x.write_gbps for x in here]),
-                ("raw-limit", "read", [x.read_gbps for x in here]),
-                ("raw-limit-overwrite", "write", [x.overwrite_gbps for x in here]),
+            for engine, op, values, cpus in (
+                ("raw-limit", "write", [x.write_gbps for x in here], None),
+                (
+                    "raw-limit",
+                    "read",
+                    [x.read_gbps for x in here],
+                    [x.read_cpu_s_per_gb for x in here],
+                ),
+                (
+                    "raw-limit-overwrite",
+                    "write",
+                    [x.overwrite_gbps for x in here],
+                    [x.write_cpu_s_per_gb for x in here],
+                ),
             ):
                 lo, med, hi = _stats(values)
-                results.append(_result(engine, op, size, lo, med, hi))
+                results.append(_result(engine, op, size, lo, med, hi, cpus))
         for name, sz in write:
             if sz != size:
                 continue
             for op, table in (("write", write), ("read", read)):
                 lo, med, hi = _stats(table[(name, size)])
-                results.append(_result(name, op, size, lo, med, hi))
+                results.append(_result(name, op, size, lo, med, hi, cpu[(name, op, size)]))
 
     machine = machine_facts(d1)
     probe = probe_direct_io(d1)
@@ -336,7 +351,10 @@ def _make_tensors(size: int, n: int) -> list[torch.Tensor]:
     return tensors
 
 
-def _result(engine: str, op: str, size: int, lo: float, med: float, hi: float) -> Row:
+def _result(
+    engine: str, op: str, size: int, lo: float, med: float, hi: float, cpus: list[float] | None
+) -> Row:
+    cpu = statistics.median(cpus) if cpus else None
     return {
         "engine": engine,
         "op": op,
@@ -344,6 +362,9 @@ def _result(engine: str, op: str, size: int, lo: float, med: float, hi: float) -
         "gbps_min": round(lo, 3),
         "gbps_median": round(med, 3),
         "gbps_max": round(hi, 3),
+        # CPU seconds per GB moved (user + system, every thread), median; None where the
+        # tool does not report it.
+        "cpu_s_per_gb": None if cpu is None or math.isnan(cpu) else round(cpu, 4),
     }
 
 
@@ -361,7 +382,7 @@ def print_table(
     print(f"page cache: {machine['page_cache']}")
     print()
     head = f"{'engine':<26}{'size':>8}  {'write GB/s min/med/max':>24}"
-    print(f"{head}  {'read GB/s min/med/max':>24}")
+    print(f"{head}  {'read GB/s min/med/max':>24}  {'CPU s/GB write read':>20}")
     by_key = {(r["engine"], r["op"], r["size_bytes"]): r for r in results}
     engines = list(dict.fromkeys(str(r["engine"]) for r in results))
     for size in sizes:
@@ -370,7 +391,10 @@ def print_table(
             r = by_key.get((name, "read", size))
             if w is None and r is None:
                 continue
-            print(f"{name:<26}{_size_name(size):>8}  {_triple(w):>24}  {_triple(r):>24}")
+            print(
+                f"{name:<26}{_size_name(size):>8}  {_triple(w):>24}  {_triple(r):>24}"
+                f"  {_cpu(w):>10}{_cpu(r):>10}"
+            )
         print()
     for size in sizes:
         lines = []
@@ -395,6 +419,11 @@ def print_table(
         )
     for name, summary in summaries.items():
         print(f"{name} stats (last repeat, both rounds): {summary}")
+
+
+def _cpu(r: Row | None) -> str:
+    value = r.get("cpu_s_per_gb") if r is not None else None
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _triple(r: Row | None) -> str:

@@ -37,6 +37,10 @@ class Timing:
     read_s: float
     cached_delta_bytes: int | None = None
     """Growth of the page cache (``Cached``) while spilling, where the path measures it."""
+    write_cpu_s: float = 0.0
+    """CPU seconds of the whole process (every thread) while writing."""
+    read_cpu_s: float = 0.0
+    """CPU seconds of the whole process while reading back."""
     stats: str = ""
     """The store's ``stats().summary()``, for store paths."""
     steady: Timing | None = None
@@ -44,6 +48,20 @@ class Timing:
     a training step after the first, whose spills land in extents that were written before
     (Note: [First spill and steady state])."""
     extra: dict[str, object] = field(default_factory=dict)
+
+
+class Clock:
+    """Wall time and the process's CPU time (all threads), read together."""
+
+    __slots__ = ("cpu", "wall")
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.cpu = time.process_time()
+
+
+def _timing(w0: Clock, w1: Clock, r0: Clock, r1: Clock, cached: int | None = None) -> Timing:
+    return Timing(w1.wall - w0.wall, r1.wall - r0.wall, cached, w1.cpu - w0.cpu, r1.cpu - r0.cpu)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,20 +105,20 @@ def _store_round(store: TieredStore, tensors: list[torch.Tensor], what: str) -> 
     """Put every tensor, wait until all are on disk, get them back newest first, release."""
     total = sum(t.numel() * t.element_size() for t in tensors)
     before = cached_bytes()
-    t0 = time.perf_counter()
+    t0 = Clock()
     handles = [store.put(t) for t in tensors]
     _settle(store, total)
-    t1 = time.perf_counter()
+    t1 = Clock()
     delta = cached_bytes() - before
     back = []
-    t2 = time.perf_counter()
+    t2 = Clock()
     for h in reversed(handles):
         back.append(store.get(h))
-    t3 = time.perf_counter()
+    t3 = Clock()
     for h in handles:
         store.release(h)
     _check(tensors, back, what)
-    return Timing(t1 - t0, t3 - t2, delta)
+    return _timing(t0, t1, t2, t3, delta)
 
 
 def _store_path(disk_format: str, two_dirs: bool, steady: bool) -> PathFn:
@@ -161,15 +179,15 @@ def _engine_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
                 return out
 
         try:
-            t0 = time.perf_counter()
+            t0 = Clock()
             await asyncio.gather(*(write(k) for k in range(len(views))))
-            t1 = time.perf_counter()
+            t1 = Clock()
             back = await asyncio.gather(*(read(k) for k in reversed(range(len(views)))))
-            t2 = time.perf_counter()
+            t2 = Clock()
         finally:
             await engine.close()
         _check([v for v in views], list(back), "raw engine")
-        return Timing(t1 - t0, t2 - t1)
+        return _timing(t0, t1, t1, t2)
 
     work = Path(tempfile.mkdtemp(prefix="tierstore-bench-", dir=ctx.directory))
     try:
@@ -195,19 +213,19 @@ def _torch_save_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
     """One ``torch.save`` file per tensor, as axolotl's disk offloader does; fsync'd."""
     work, paths = _files(ctx, len(tensors), ".pt")
     try:
-        t0 = time.perf_counter()
+        t0 = Clock()
         for t, p in zip(tensors, paths, strict=True):
             torch.save(t, p)
             _fsync(p)
-        t1 = time.perf_counter()
+        t1 = Clock()
         ctx.cache.evict(paths)
-        t2 = time.perf_counter()
+        t2 = Clock()
         back = [torch.load(p, weights_only=True) for p in reversed(paths)]
-        t3 = time.perf_counter()
+        t3 = Clock()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _check(tensors, back, "torch.save")
-    return Timing(t1 - t0, t3 - t2)
+    return _timing(t0, t1, t2, t3)
 
 
 def _os_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
@@ -215,7 +233,7 @@ def _os_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
     work, paths = _files(ctx, len(tensors), ".bin")
     try:
         before = cached_bytes()
-        t0 = time.perf_counter()
+        t0 = Clock()
         for t, p in zip(tensors, paths, strict=True):
             view = t.view(-1).view(torch.uint8).numpy().data
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -226,12 +244,12 @@ def _os_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        t1 = time.perf_counter()
+        t1 = Clock()
         # For contrast with the spill paths: what buffered writes leave in the page cache.
         delta = cached_bytes() - before
         ctx.cache.evict(paths)
         back = []
-        t2 = time.perf_counter()
+        t2 = Clock()
         for t, p in zip(reversed(tensors), reversed(paths), strict=True):
             out = torch.empty_like(t)
             view = out.view(-1).view(torch.uint8).numpy().data
@@ -246,11 +264,11 @@ def _os_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
             finally:
                 os.close(fd)
             back.append(out)
-        t3 = time.perf_counter()
+        t3 = Clock()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _check(tensors, back, "os")
-    return Timing(t1 - t0, t3 - t2, delta)
+    return _timing(t0, t1, t2, t3, delta)
 
 
 def _aiofiles_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
@@ -289,17 +307,17 @@ def _aiofiles_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
         return list(await asyncio.gather(*(one(t, p) for t, p in pairs)))
 
     try:
-        t0 = time.perf_counter()
+        t0 = Clock()
         asyncio.run(write_all())
-        t1 = time.perf_counter()
+        t1 = Clock()
         ctx.cache.evict(paths)
-        t2 = time.perf_counter()
+        t2 = Clock()
         back = asyncio.run(read_all())
-        t3 = time.perf_counter()
+        t3 = Clock()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     _check(tensors, back, "aiofiles")
-    return Timing(t1 - t0, t3 - t2)
+    return _timing(t0, t1, t2, t3)
 
 
 PATHS: dict[str, PathFn] = {

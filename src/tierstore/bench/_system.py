@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import time
@@ -95,9 +96,14 @@ class RawLimit:
     (Note: [First spill and steady state] in ``_paths.py``)."""
     read_gbps: float
     """Sequential O_DIRECT reads, GB/s."""
+    write_cpu_s_per_gb: float = float("nan")
+    """CPU seconds the tool spent per GB written (user + system)."""
+    read_cpu_s_per_gb: float = float("nan")
+    """CPU seconds the tool spent per GB read (user + system)."""
 
 
-def _fio(path: Path, nbytes: int, rw: str, engine: str) -> float:
+def _fio(path: Path, nbytes: int, rw: str, engine: str) -> tuple[float, float]:
+    """(GB/s, CPU seconds per GB) of one fio run."""
     cmd = [
         "fio",
         "--name=rawlimit",
@@ -114,10 +120,13 @@ def _fio(path: Path, nbytes: int, rw: str, engine: str) -> float:
     job = json.loads(done.stdout[done.stdout.index("{") :])["jobs"][0]
     if job.get("error"):
         raise RuntimeError(f"fio {engine}: error {job['error']}")
-    return float(job[rw]["bw_bytes"]) / 1e9
+    # usr_cpu and sys_cpu are percentages of one CPU over the job's run time.
+    cpu_s = (float(job["usr_cpu"]) + float(job["sys_cpu"])) / 100 * float(job["job_runtime"]) / 1e3
+    return float(job[rw]["bw_bytes"]) / 1e9, cpu_s / (nbytes / 1e9)
 
 
-def _dd(path: Path, nbytes: int, rw: str) -> float:
+def _dd(path: Path, nbytes: int, rw: str) -> tuple[float, float]:
+    """(GB/s, CPU seconds per GB) of one dd run."""
     count = max(1, nbytes // MiB)
     if rw == "write":
         # notrunc: a second write overwrites the blocks instead of allocating new ones.
@@ -125,9 +134,13 @@ def _dd(path: Path, nbytes: int, rw: str) -> float:
         cmd.append("conv=notrunc")
     else:
         cmd = ["dd", f"if={path}", "of=/dev/null", "bs=1M", f"count={count}", "iflag=direct"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(cmd, capture_output=True, check=True, timeout=600)
-    return count * MiB / (time.perf_counter() - t0) / 1e9
+    seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return count * MiB / seconds / 1e9, cpu_s / (count * MiB / 1e9)
 
 
 def measure_raw_limit(directory: Path, nbytes: int) -> RawLimit:
@@ -149,11 +162,13 @@ def measure_raw_limit(directory: Path, nbytes: int) -> RawLimit:
                 except (subprocess.CalledProcessError, RuntimeError, ValueError, KeyError):
                     path.unlink(missing_ok=True)
                     continue
-                return RawLimit(f"fio direct=1 bs=1M iodepth=16 ioengine={engine}", w, o, r)
+                tool = f"fio direct=1 bs=1M iodepth=16 ioengine={engine}"
+                return RawLimit(tool, w[0], o[0], r[0], o[1], r[1])
         w = _dd(path, nbytes, "write")
         o = _dd(path, nbytes, "write")
         r = _dd(path, nbytes, "read")
-        return RawLimit("dd bs=1M oflag=direct/iflag=direct (fio not installed)", w, o, r)
+        tool = "dd bs=1M oflag=direct/iflag=direct (fio not installed)"
+        return RawLimit(tool, w[0], o[0], r[0], o[1], r[1])
     finally:
         path.unlink(missing_ok=True)
 
