@@ -282,6 +282,20 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextmanager
+def _busy_core(enabled: bool) -> Iterator[None]:
+    """Another process spinning on one core for the duration, when ``enabled``."""
+    if not enabled:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+@contextmanager
 def spill_parent(path: str | None) -> Iterator[str]:
     if path is not None:
         yield path
@@ -315,6 +329,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inflight-bytes", default="32MiB", help="store save semaphore")
     p.add_argument("--disk-dir", help="parent of the spill directory (default: a temp dir)")
     p.add_argument("--rounds", type=int, default=1, help="run every mode this many times")
+    p.add_argument(
+        "--busy",
+        action="store_true",
+        help="keep one core busy with another process while each mode runs (as a data "
+        "loader or a neighbour would)",
+    )
     p.add_argument("--json", type=Path, help="append one JSON line per mode to this file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
@@ -354,6 +374,7 @@ def measure(argv: list[str], progress: Callable[[str], None] | None = None) -> R
         here = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
         forwarded = _strip(list(argv), ("--json", "--modes", "--disk-dir", "--rounds"))
+        forwarded = [a for a in forwarded if a != "--busy"]
         for _ in range(args.rounds):
             for mode in run_modes:
                 if progress is not None:
@@ -368,7 +389,8 @@ def measure(argv: list[str], progress: Callable[[str], None] | None = None) -> R
                     "--disk-dir",
                     disk_dir,
                 ]
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+                with _busy_core(args.busy):
+                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
                 if proc.returncode != 0:
                     sys.stderr.write(proc.stderr)
                     raise SystemExit(f"mode {mode} failed (exit {proc.returncode})")
