@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import warnings
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ __all__ = [
     "min_bytes_of",
     "resolve_store",
     "unsupported_reason",
+    "unwrap",
     "warn_no_room",
 ]
 
@@ -78,6 +80,41 @@ def unsupported_reason(t: torch.Tensor) -> str | None:
         # The lazy conjugate/negative bit is not part of the bytes; rebuilding would lose it.
         return "lazy conj/neg bit"
     return None
+
+
+def _class_in(modules: tuple[str, ...], name: str) -> type | None:
+    """Class ``name`` from the first of ``modules`` already imported that has it."""
+    for module in modules:
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
+def unwrap(t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """The plain tensor that holds ``t``'s bytes, and the DTensor spec to rebuild ``t`` with.
+
+    For a plain tensor: itself and None. For a ``DTensor``: its local shard and its spec (Note:
+    [A DTensor stores its shard] in ``_storage.py``). For an ``AsyncCollectiveTensor`` (what
+    a collective hands out before it is waited on, the output of a row-wise parallel layer
+    and often a DTensor's shard): the waited result, as any use of it would wait. Any other
+    subclass comes back as itself; :func:`unsupported_reason` refuses it.
+
+    Looks only in modules already imported: neither class can exist before its module is,
+    and importing ``torch.distributed.tensor`` for every saved tensor would cost seconds once.
+    """
+    if type(t) is torch.Tensor:
+        return t, None
+    spec: object = None
+    # torch.distributed.tensor since torch 2.5; torch.distributed._tensor before.
+    dtensor = _class_in(("torch.distributed.tensor", "torch.distributed._tensor"), "DTensor")
+    if dtensor is not None and isinstance(t, dtensor):
+        spec = t._spec  # type: ignore[attr-defined]
+        t = t._local_tensor  # type: ignore[attr-defined]
+    pending = _class_in(("torch.distributed._functional_collectives",), "AsyncCollectiveTensor")
+    if pending is not None and isinstance(t, pending):
+        t = t.trigger_wait()  # type: ignore[attr-defined]
+    return t, spec
 
 
 _warned_lock = threading.Lock()

@@ -18,6 +18,17 @@ Note: [The graph owns the entries]
     goes (after backward, or without backward: eval, an exception, a dropped loss) the records
     go, their handles go, and the store releases the entries. Nothing that outlives a step holds
     a container of tensors or handles.
+
+Note: [A DTensor stores its shard]
+    A ``DTensor`` (tensor parallelism, ``distribute_tensor``) is a wrapper around this rank's
+    local shard, with a spec: the device mesh, the placements and the global shape and
+    stride. Only the shard has bytes; it goes into the store like any tensor (so DTensors
+    sharing a shard's storage share one entry), and the record keeps the spec itself. Unpack
+    wraps the shard, rebuilt as above, in a DTensor with that very spec: same mesh, same
+    placements, same global shape and stride, bit-exact. The version check (Note: [Version
+    check]) watches the DTensor itself, which in-place operations on it bump. A shard, or a
+    saved tensor, that is still an ``AsyncCollectiveTensor`` (a collective's result not yet
+    waited on) is waited on when saved and comes back as the plain tensor it stands for.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from tierstore.adapters._common import (
     SMALL,
     UNSUPPORTED,
     unsupported_reason,
+    unwrap,
     warn_no_room,
 )
 from tierstore.errors import TierFullError, UnsupportedTensorError
@@ -86,19 +98,35 @@ class Saved:
         are now (a tier that holds the tensor itself).
     """
 
-    __slots__ = ("dtype", "end", "offset", "size", "source", "stored", "stride", "version")
+    __slots__ = (
+        "dtensor_spec",
+        "dtype",
+        "end",
+        "offset",
+        "size",
+        "source",
+        "stored",
+        "stride",
+        "version",
+    )
 
-    def __init__(self, stored: Stored, t: torch.Tensor) -> None:
+    def __init__(
+        self, stored: Stored, t: torch.Tensor, plain: torch.Tensor, dtensor_spec: object = None
+    ) -> None:
+        """Record ``t``; ``plain`` holds its bytes in ``stored`` (see :func:`unwrap`)."""
         self.stored = stored
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
+        self.dtype = plain.dtype
+        self.size = plain.size()
+        self.stride = plain.stride()
+        self.offset = plain.storage_offset()
         # One past the last element the view reaches, counted from the storage's start.
         reach = sum((n - 1) * st for n, st in zip(self.size, self.stride, strict=True))
         self.end = self.offset if 0 in self.size else self.offset + reach + 1
+        # ``t`` itself, a DTensor's wrapper included: in-place operations bump its version.
         self.version = t._version
         self.source = weakref.ref(t)
+        # Note: [A DTensor stores its shard]
+        self.dtensor_spec = dtensor_spec
 
     def tensor(self) -> torch.Tensor:
         """The saved tensor again: same device, dtype, shape, strides and bytes.
@@ -125,7 +153,20 @@ class Saved:
             # ``as_strided`` counts its offset from the start of the storage, not of ``flat``;
             # get returns offset 0 (Note: [What get returns] in ``_core.py``), and counting
             # from ``flat`` keeps views right even if that ever changed.
-            return typed.as_strided(self.size, self.stride, typed.storage_offset() + self.offset)
+            plain = typed.as_strided(self.size, self.stride, typed.storage_offset() + self.offset)
+        if self.dtensor_spec is None:
+            return plain
+        return _rewrap(plain, self.dtensor_spec)
+
+
+def _rewrap(shard: torch.Tensor, spec: object) -> torch.Tensor:
+    """A DTensor around ``shard`` with ``spec`` (Note: [A DTensor stores its shard])."""
+    # The record exists only because a DTensor was saved, so its module is loaded.
+    from torch.distributed.tensor import DTensor
+
+    # The constructor, not DTensor.from_local: the spec (mesh, placements, global shape and
+    # stride) is the saved tensor's own, and from_local would add an autograd node.
+    return DTensor(shard, spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 
 def is_parameter(t: torch.Tensor) -> bool:
@@ -144,7 +185,9 @@ class StorageTable:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_storage: dict[int, tuple[StorageWeakRef, int, weakref.ref[Stored]]] = {}
+        self._by_storage: dict[
+            int, tuple[StorageWeakRef, tuple[int, int], weakref.ref[Stored]]
+        ] = {}
         self._excluded: dict[int, StorageWeakRef] = {}
 
     def exclude(self, t: torch.Tensor) -> None:
@@ -166,7 +209,9 @@ class StorageTable:
         ``t`` itself comes back when it is not worth or not possible to move; the reason is
         counted with ``store.note_skipped``. ``on_new`` is called with each newly stored storage.
         """
-        nbytes = t.numel() * t.element_size()
+        # A DTensor's bytes are its local shard (Note: [A DTensor stores its shard]).
+        plain, spec = unwrap(t)
+        nbytes = plain.numel() * plain.element_size()
         if nbytes < min_bytes:
             if nbytes:
                 store.note_skipped(SMALL, nbytes)
@@ -174,15 +219,17 @@ class StorageTable:
         if is_parameter(t):
             store.note_skipped(PARAMETER, nbytes)
             return t
-        if unsupported_reason(t) is not None:
+        if unsupported_reason(plain) is not None:
             store.note_skipped(UNSUPPORTED, nbytes)
             return t
-        storage = t.untyped_storage()
-        if storage.nbytes() % t.element_size():
+        storage = plain.untyped_storage()
+        if storage.nbytes() % plain.element_size():
             store.note_skipped(UNSUPPORTED, nbytes)
             return t
         ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
-        version = t._version
+        # A DTensor's in-place operations bump its own version, not its shard's (the shard is
+        # written below autograd): both must match for the bytes to be the stored ones.
+        version = (plain._version, t._version)
         with self._lock:
             excluded = self._excluded.get(ref.cdata)
             known = self._by_storage.get(ref.cdata)
@@ -195,8 +242,8 @@ class StorageTable:
             # The weak storage reference pins the id, so a live match is the very same storage.
             alive = not known_ref.expired()  # type: ignore[no-untyped-call]
             if stored is not None and alive and known_version == version:
-                return Saved(stored, t)
-        flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                return Saved(stored, t, plain, spec)
+        flat = torch.empty(0, dtype=torch.uint8, device=plain.device).set_(storage)
         try:
             handle = store.put(flat)
         except TierFullError as err:
@@ -223,7 +270,7 @@ class StorageTable:
 
         with self._lock:
             self._by_storage[key] = (ref, version, weakref.ref(stored, forget))
-        return Saved(stored, t)
+        return Saved(stored, t, plain, spec)
 
     def __len__(self) -> int:
         with self._lock:
