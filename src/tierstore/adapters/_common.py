@@ -6,14 +6,18 @@ import logging
 import sys
 import threading
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from tierstore.config import MiB
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tierstore._sync import TieredStore
+
+F = TypeVar("F", bound="Callable[..., object]")
 
 __all__ = [
     "NO_ROOM",
@@ -24,6 +28,7 @@ __all__ = [
     "min_bytes_of",
     "resolve_store",
     "unsupported_reason",
+    "untraced",
     "unwrap",
     "warn_no_room",
 ]
@@ -115,6 +120,32 @@ def unwrap(t: torch.Tensor) -> tuple[torch.Tensor, object]:
     if pending is not None and isinstance(t, pending):
         t = t.trigger_wait()  # type: ignore[attr-defined]
     return t, spec
+
+
+def untraced(fn: F) -> F:
+    """``fn``, or ``fn`` made opaque to ``torch.compile`` when Dynamo is loaded.
+
+    Note: [Hooks run eagerly under torch.compile]
+        autograd calls the pack and unpack hooks wherever a tensor is saved or needed: from
+        a compiled graph's runtime, and from a compiled function's eager stretches (after a
+        graph break), where Dynamo would trace them as user code. It did: it graph-broke on
+        the store's thread checks (a warning about ``_thread.get_ident``), half-built a
+        ``StorageWeakRef`` it then dropped ("Exception ignored in StorageWeakRef.__del__"),
+        and compiled the ``set_`` that views a storage as bytes into a graph, so that the
+        store saw the bytes change after ``put`` (``TensorModifiedError`` in backward).
+        Moving bytes to another thread and back has no place in a graph: the hooks are
+        wrapped in ``torch.compiler.disable``, which runs them and all they call eagerly.
+        The wrapping is decided when a block is entered: importing Dynamo costs a second,
+        and until something imported it (``torch.compile`` does, when it wraps a function
+        or module) no compiled code exists that could call the hooks. A block entered before
+        the process's first ``torch.compile`` gets plain hooks; for them, and for callers
+        Dynamo traces (a checkpoint inside a compiled function), ``StorageTable.offload`` and
+        ``Saved.tensor`` hand their call to an eager run when they find themselves traced
+        (``torch.compiler.is_compiling()``, a plain flag when nothing compiles).
+    """
+    if "torch._dynamo" not in sys.modules:
+        return fn
+    return torch.compiler.disable(fn)  # type: ignore[no-untyped-call,no-any-return]
 
 
 _warned_lock = threading.Lock()

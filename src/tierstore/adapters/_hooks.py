@@ -1,11 +1,29 @@
 """``offload_activations``: saved-tensor hooks that keep what autograd saves in a TieredStore.
 
 See Note: [One storage, one entry] and Note: [The graph owns the entries] in ``_storage.py``.
+
+Note: [Buffers are found on the stack]
+    A module's buffer (a causal mask, rotary tables) stays in memory whatever autograd saves,
+    so storing it would only copy it. The buffers excluded are those of the modules being
+    called when autograd saves the tensor, and of all their submodules, collected once per
+    block: each ``module(...)`` call runs ``Module._wrapped_call_impl``, whose frame on the
+    stack holds the module. Only those frames' locals are read: in Python before 3.13,
+    reading a frame's locals leaves a snapshot of them on the frame until it returns, which
+    would keep a forward's rebound tensors alive; that frame's locals (the module, its
+    arguments) live until it returns anyway. A compiled module is found by its outermost
+    call (the compiled code inside has no such frames), and its submodules with it. Only
+    tensors that could be a buffer start the walk: big enough to store, no ``grad_fn``, no
+    ``requires_grad`` (inputs, masks), a few per layer. A process-wide forward pre-hook
+    (``register_module_forward_pre_hook``) used to collect them instead; it ran on every
+    module call of every thread while a block was open, made ``torch.compile(module)`` warn
+    at each call, and made every step recompile every compiled module (Dynamo guards on
+    global hooks, and each block registered a new one).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -13,12 +31,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from tierstore.adapters._common import check_min_bytes, min_bytes_of, resolve_store
+from tierstore.adapters._common import check_min_bytes, min_bytes_of, resolve_store, untraced
 from tierstore.adapters._storage import Saved, StorageTable, Stored
 
 if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
-
     from tierstore._handle import TensorHandle
     from tierstore._sync import TieredStore
 
@@ -28,6 +44,9 @@ __all__ = ["offload_activations"]
 # configuration does not say.
 _DEFAULT_PREFETCH_BYTES = 256 << 20
 
+# The frame every module(...) call runs (Note: [Buffers are found on the stack]).
+_MODULE_CALL = getattr(torch.nn.Module, "_wrapped_call_impl", torch.nn.Module._call_impl).__code__
+
 
 class _Session:
     """One ``with offload_activations(...)`` block: its store, thresholds and save order."""
@@ -36,6 +55,7 @@ class _Session:
         "__weakref__",
         "_lock",
         "_low",
+        "_modules_seen",
         "_order",
         "min_bytes",
         "prefetch_bytes",
@@ -55,16 +75,36 @@ class _Session:
         self._order: list[weakref.ref[Stored]] = []
         # Lowest save index already asked for by prefetch; None until backward starts.
         self._low: int | None = None
+        # Modules whose buffers the table already excludes (Note: [Buffers are found on
+        # the stack]); weak, as the table's own references.
+        self._modules_seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     # -- forward ---------------------------------------------------------------------------
 
-    def exclude_buffers(self, module: torch.nn.Module) -> None:
-        for buf in module._buffers.values():
-            if buf is not None:
-                self.table.exclude(buf)
-
     def pack(self, t: torch.Tensor) -> Saved | torch.Tensor:
+        if (
+            t.grad_fn is None
+            and not t.requires_grad
+            and t.numel() * t.element_size() >= self.min_bytes
+        ):
+            self._exclude_buffers_on_stack()
         return self.table.offload(self.store, t, self.min_bytes, self._number)
+
+    def _exclude_buffers_on_stack(self) -> None:
+        """Exclude the buffers of the modules being called (Note: [Buffers are found on the
+        stack])."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is _MODULE_CALL:
+                owner = frame.f_locals["self"]
+                if isinstance(owner, torch.nn.Module) and owner not in self._modules_seen:
+                    for module in owner.modules():
+                        if module not in self._modules_seen:
+                            self._modules_seen.add(module)
+                            for buf in module._buffers.values():
+                                if buf is not None:
+                                    self.table.exclude(buf)
+            frame = frame.f_back  # type: ignore[assignment]
 
     def _number(self, stored: Stored) -> None:
         with self._lock:
@@ -112,16 +152,21 @@ class offload_activations:
 
     Left where they are (and counted in ``stats().skipped`` by reason):
     tensors under ``min_bytes`` (``below_min_bytes``), parameters, views of parameters and
-    buffers of modules called inside the block (``parameter_or_buffer``), sparse, nested, meta,
-    quantized and subclass tensors (``unsupported``), and tensors no tier has room for
-    (``no_room``; a warning is shown once per store; nothing is ever dropped).
+    buffers of the modules running when the tensor is saved (``parameter_or_buffer``; Note:
+    [Buffers are found on the stack]), sparse, nested, meta, quantized and subclass tensors
+    other than DTensors (``unsupported``), and tensors no tier has room for (``no_room``; a
+    warning is shown once per store; nothing is ever dropped). A DTensor's local shard is
+    stored and the DTensor rebuilt with its mesh, placements, shape and stride (Note: [A
+    DTensor stores its shard]).
 
     Tensors that share one storage are stored once; see Note: [One storage, one entry]. The
     graph owns what is stored: a forward that never runs backward frees everything it stored
     when its graph is dropped. Non-reentrant ``torch.utils.checkpoint`` regions inside the
     block keep their own (recomputed) activations; their outputs are offloaded as usual. A
     saved tensor modified in place before backward raises as it would without hooks (Note:
-    [Version check]).
+    [Version check]). Around compiled code, what the compiled graphs save is stored at run
+    time; the hooks themselves are never traced (Note: [Hooks run eagerly under
+    torch.compile]).
 
     Args:
         store: the store to use; ``None`` means :func:`tierstore.default_store`, resolved when
@@ -152,10 +197,8 @@ class offload_activations:
         # on several threads at once.
         self._local = threading.local()
 
-    def _active(self) -> list[tuple[saved_tensors_hooks, RemovableHandle]]:
-        active: list[tuple[saved_tensors_hooks, RemovableHandle]] | None = getattr(
-            self._local, "active", None
-        )
+    def _active(self) -> list[saved_tensors_hooks]:
+        active: list[saved_tensors_hooks] | None = getattr(self._local, "active", None)
         if active is None:
             active = self._local.active = []
         return active
@@ -168,28 +211,15 @@ class offload_activations:
     def __enter__(self) -> offload_activations:
         store = resolve_store(self._store_arg)
         session = _Session(store, min_bytes_of(store, self._min_bytes))
-        weak_session = weakref.ref(session)
-
-        def collect_buffers(module: torch.nn.Module, args: object) -> None:
-            s = weak_session()
-            if s is not None:
-                s.exclude_buffers(module)
-
         # The pack hook holds the session; the graph's records hold it too, so it lives while
-        # the block runs and while anything it stored lives.
-        hooks = saved_tensors_hooks(session.pack, _unpack)
-        # First, so that a refusal (torch disables saved-tensor hooks under some compilers and
-        # checkpoint modes) leaves no global module hook behind.
+        # the block runs and while anything it stored lives. Note: [Hooks run eagerly under
+        # torch.compile] in _common.py.
+        hooks = saved_tensors_hooks(untraced(session.pack), untraced(_unpack))
+        # A refusal (torch disables saved-tensor hooks under some compilers and checkpoint
+        # modes) raises here and leaves nothing behind.
         hooks.__enter__()
-        try:
-            hook = torch.nn.modules.module.register_module_forward_pre_hook(collect_buffers)
-        except BaseException:
-            hooks.__exit__(None, None, None)
-            raise
-        self._active().append((hooks, hook))
+        self._active().append(hooks)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        hooks, hook = self._active().pop()
-        hooks.__exit__(*exc_info)
-        hook.remove()
+        self._active().pop().__exit__(*exc_info)

@@ -134,6 +134,9 @@ class Saved:
         Raises:
             RuntimeError: the tensor was modified in place after it was saved.
         """
+        if torch.compiler.is_compiling():
+            # Note: [Hooks run eagerly under torch.compile]: never a graph's business.
+            return torch.compiler.disable(Saved.tensor)(self)  # type: ignore[no-untyped-call,no-any-return]
         source = self.source()
         if source is not None and source._version != self.version:
             raise RuntimeError(
@@ -209,6 +212,11 @@ class StorageTable:
         ``t`` itself comes back when it is not worth or not possible to move; the reason is
         counted with ``store.note_skipped``. ``on_new`` is called with each newly stored storage.
         """
+        if torch.compiler.is_compiling():
+            # Note: [Hooks run eagerly under torch.compile]: never a graph's business.
+            return torch.compiler.disable(StorageTable.offload)(  # type: ignore[no-untyped-call,no-any-return]
+                self, store, t, min_bytes, on_new
+            )
         # A DTensor's bytes are its local shard (Note: [A DTensor stores its shard]).
         plain, spec = unwrap(t)
         nbytes = plain.numel() * plain.element_size()
