@@ -61,11 +61,12 @@ def collect_info() -> dict[str, object]:
     import zarr
 
     import tierstore
-    from tierstore.config import StoreConfig
+    from tierstore.config import StoreConfig, _local_ranks, _physical_memory_bytes
     from tierstore.tiers import _accelerator
     from tierstore.tiers._checksum import IMPLEMENTATION
 
     config = StoreConfig.from_env()
+    memory, ranks = _physical_memory_bytes(), _local_ranks()
     pinned, why = _pinning()
     kind = _accelerator.accelerator_type()
     return {
@@ -84,6 +85,13 @@ def collect_info() -> dict[str, object]:
                 else getattr(config, f.name)
             )
             for f in dataclasses.fields(config)
+        },
+        # What the default host tier is made of: each of the LOCAL_WORLD_SIZE ranks on this
+        # machine gets its share of a quarter of memory.
+        "host_default": {
+            "memory_bytes": memory,
+            "local_world_size": ranks,
+            "host_bytes": memory // 4 // ranks,
         },
         # Named "cuda" for the scripts that read it; "type" says which accelerator it is.
         "cuda": {
@@ -108,6 +116,14 @@ def _print(info: dict[str, object]) -> None:
     for k, v in config.items():
         shown = f"{v} ({_binary(v)})" if k.endswith("_bytes") and isinstance(v, int) else v
         print(f"  {k:<20} {shown}")
+    host = info["host_default"]
+    assert isinstance(host, dict)
+    ranks = host["local_world_size"]
+    per_rank = f" / {ranks} ranks on this machine (LOCAL_WORLD_SIZE)" if ranks > 1 else ""
+    print(
+        f"default host tier: a quarter of {_binary(host['memory_bytes'])} of memory{per_rank}"
+        f" = {_binary(host['host_bytes'])} per store"
+    )
     cuda = info["cuda"]
     assert isinstance(cuda, dict)
     print(f"accelerator: {cuda['type'] or 'none'} {cuda['devices'] or ''}")

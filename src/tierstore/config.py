@@ -222,10 +222,22 @@ def _default_disk_dir() -> tuple[Path, ...]:
     return (Path(tempfile.gettempdir()),)
 
 
+def _local_ranks() -> int:
+    """Processes of this job on this machine: ``LOCAL_WORLD_SIZE`` (torchrun sets it), else 1.
+
+    Any value but a positive integer counts as 1: the variable is the launcher's, and it only
+    divides a default.
+    """
+    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(text) if text.isascii() and text.isdigit() and int(text) > 0 else 1
+
+
 def _default_host_bytes() -> int:
     # A quarter of RAM leaves room for the model, the data loader and the page cache; on a GPU
     # machine it is also the size of the pinned pool, which the OS cannot swap or reclaim.
-    return _physical_memory_bytes() // 4
+    # Each rank torchrun starts on the machine opens its own store: they share that quarter,
+    # so that 8 ranks do not claim twice the machine's memory between them.
+    return _physical_memory_bytes() // 4 // _local_ranks()
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +247,8 @@ class StoreConfig:
     device_bytes: int = 0
     """Bytes of stored tensors allowed to stay on their accelerator; the newest stay."""
     host_bytes: int = dataclasses.field(default_factory=_default_host_bytes)
-    """Host tier capacity (on a GPU machine, the pinned pool)."""
+    """Host tier capacity (on a GPU machine, the pinned pool). Default: a quarter of physical
+    memory (or of the cgroup limit), divided by ``LOCAL_WORLD_SIZE`` when it is set."""
     disk_bytes: int | None = None
     """Disk tier capacity; ``None`` means the free space under the spill directories."""
     disk_dirs: tuple[Path, ...] = dataclasses.field(default_factory=_default_disk_dir)

@@ -1,4 +1,5 @@
-"""FSDP2 and tensor parallelism on two CPU ranks (gloo): offloading changes no gradient bit.
+"""FSDP2 and tensor parallelism on two CPU ranks (gloo): offloading changes no gradient bit; each
+rank's default host tier is its share of the machine.
 
 ``fsdp2_worker.py`` does the training; see its docstring for the models and sizes. Every
 store there has ``host_bytes=0``, so all that is stored is written to disk and read back.
@@ -99,3 +100,37 @@ def test_a_saved_dtensor_written_in_place_is_caught_and_never_stale(
     _, reports = trained
     for report in reports:
         assert report["in-place"] == {"second_save_has_new_bytes": True, "first_graph_raises": True}
+
+
+@pytest.mark.parametrize(("value", "share"), [("8", 8), ("2", 2), (None, 1), ("0", 1), ("x", 1)])
+def test_each_local_rank_defaults_to_its_share_of_the_host_tier(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, share: int
+) -> None:
+    # torchrun sets LOCAL_WORLD_SIZE; every rank opens its own store, and the quarter of
+    # memory that is the default host tier is split between them.
+    from tierstore.config import StoreConfig, _physical_memory_bytes
+
+    if value is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    assert StoreConfig.from_env({}).host_bytes == _physical_memory_bytes() // 4 // share
+    # An explicit size is what it says.
+    assert StoreConfig.from_env({}, host_bytes="1GiB").host_bytes == 1 << 30
+
+
+def test_info_shows_the_per_rank_host_tier(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tierstore.__main__ import main
+    from tierstore.config import _physical_memory_bytes
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.delenv("TIERSTORE_HOST_BYTES", raising=False)
+    assert main(["info", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    share = _physical_memory_bytes() // 4 // 4
+    assert facts["host_default"]["local_world_size"] == 4
+    assert facts["config"]["host_bytes"] == facts["host_default"]["host_bytes"] == share
+    assert main(["info"]) == 0
+    assert "/ 4 ranks on this machine (LOCAL_WORLD_SIZE)" in capsys.readouterr().out
