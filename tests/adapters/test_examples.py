@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,65 @@ def test_hf_trainer_example(tmp_path: Path) -> None:
     line = [ln for ln in proc.stdout.splitlines() if "layer inputs stored" in ln][-1]
     stored, written, held = (int(w) for w in line.split() if w.isdigit())
     assert stored > 0 and written > 2 * 2**20 and held == 0
+
+
+# -- FSDP2 under torchrun, and torch.compile: against the same run without tierstore ---------
+# Their --mode checkpoint paths are the ones test_fsdp2.py and test_compile.py check gradient
+# by gradient; each launch here costs seconds (two ranks importing torch, or a compile).
+
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which(
+    "torchrun"
+)
+
+
+def run_torchrun_example(name: str, *args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``name`` on two ranks under torchrun; its spill directories are gone afterwards."""
+    assert TORCHRUN is not None
+    spill = tmp_path / "spill"
+    spill.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    example = [str(ROOT / "examples" / name), *args, "--disk-dir", str(spill)]
+    proc = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc_per_node", "2", *example],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert list(spill.iterdir()) == []
+    return proc
+
+
+def spilled_to_disk(proc: subprocess.CompletedProcess[str], stores: int) -> None:
+    """Every store's summary (logged at close) shows tensors written to disk, and stderr holds
+    nothing else: no warning, no "Exception ignored"."""
+    lines = proc.stderr.splitlines()
+    summaries = [ln for ln in lines if ln.startswith("tierstore INFO")]
+    assert len(summaries) == stores and all("disk 0 " not in s for s in summaries), proc.stderr
+    assert len(lines) == stores, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed")
+def test_fsdp2_torchrun_example(tmp_path: Path) -> None:
+    # host_bytes=0: everything stored (4 MiB attention maps among it) goes to disk, both ranks.
+    run = ["fsdp2_torchrun.py", "--steps", "2"]
+    proc = run_torchrun_example(*run, "--host-bytes", "0", tmp_path=tmp_path)
+    plain = run_torchrun_example(*run, "--no-offload", tmp_path=tmp_path)
+    assert losses(proc) == losses(plain)
+    assert [len(line.split()) for line in losses(proc)] == [2, 2]  # both ranks, each step
+    spilled_to_disk(proc, stores=2)
+
+
+@pytest.mark.slow
+def test_compiled_example(tmp_path: Path) -> None:
+    # Inductor, the example's default, on the model and sizes test_compile.py compiles too
+    # (4 MiB hidden activations), so the kernels are compiled once. All of it to disk.
+    run = ["compiled.py", "--steps", "2"]
+    proc = run_example(*run, "--host-bytes", "0", tmp_path=tmp_path)
+    plain = run_example(*run, "--no-offload", tmp_path=tmp_path)
+    assert losses(proc) == losses(plain)
+    assert len(losses(proc)) == 2
+    spilled_to_disk(proc, stores=1)
