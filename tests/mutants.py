@@ -47,7 +47,7 @@ class Mutant:
     edits: tuple[Edit, ...]
 
 
-_POOL = "src/tierstore/tiers/_hostpool.py"
+_POOL = "src/tierstore/tiers/_readpool.py"
 _LAYOUT = "src/tierstore/tiers/raw/_layout.py"
 _CHUNK_IO = "src/tierstore/tiers/raw/_chunk_io.py"
 _STORAGE = "src/tierstore/adapters/_storage.py"

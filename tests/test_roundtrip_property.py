@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reliability.faults import settled, wait_for
 from tierstore import TieredStore
+from tierstore.testing import settled, wait_for
 
 MiB = 1 << 20
 STORES: dict[str, dict[str, object]] = {

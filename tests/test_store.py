@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import tierstore
-from reliability.faults import FaultyEngine, install, wait_for
 from tierstore import (
     StoreClosedError,
     TensorReleasedError,
@@ -29,6 +28,7 @@ from tierstore import (
     UnsupportedTensorError,
     WrongThreadError,
 )
+from tierstore.testing import FaultyEngine, audit, install_faults, internals, wait_for
 
 if TYPE_CHECKING:
     from tierstore.tiers import DiskEngine
@@ -168,7 +168,7 @@ def test_cascade_keeps_newest_in_fastest_tier(make_store: MakeStore) -> None:
     assert st.disk.entries == 2 and st.disk.bytes >= 2 * MiB
     for i, h in enumerate(hs):
         assert store.get(h)[0].item() == float(i)
-    store._core.audit()
+    audit(store)
 
 
 def test_small_tensors_stay_put(make_store: MakeStore) -> None:
@@ -199,17 +199,18 @@ def test_a_big_cpu_tensor_comes_back_at_its_place_in_a_page(make_store: MakeStor
     wait_for(lambda: store.tier_of(h) is Tier.DISK)
     out = store.get(h)
     assert _same_bits(out, t)
-    direct = getattr(store._core._engine, "_leads", False)
+    engine = internals(store).engine
+    direct = engine is not None and all(engine.describe()["direct_io"].values())
     assert out.data_ptr() % 4096 == (lead if direct and lead % 64 == 0 else 0)
     out2 = out.clone()
     del out
     gc.collect()
     # The pooled buffer is reused for the next read of the same span, lead and all.
-    reused = store._core._read_pool.reused
+    reused = internals(store).read_pool.reused
     h2 = store.put(out2)
     wait_for(lambda: store.tier_of(h2) is Tier.DISK)
     assert _same_bits(store.get(h2), t)
-    assert store._core._read_pool.reused == reused + 1
+    assert internals(store).read_pool.reused == reused + 1
 
 
 @pytest.mark.parametrize(
@@ -324,12 +325,12 @@ def test_a_backward_sweep_walks_each_entry_about_once(make_store: MakeStore) -> 
     wait_for(lambda: store.stats().inflight_bytes == 0)
     for i in reversed(range(n)):
         assert store.get(hs[i])[0].item() == float(i)
-    assert store._core.walk_steps <= 3 * n, store._core.walk_steps
+    assert internals(store).prefetch_walk_steps <= 3 * n, internals(store).prefetch_walk_steps
     assert store.stats().prefetch_misses <= 1
     # A second backward pass (retain_graph) walks again from the top, and still hits.
     for h in reversed(hs):
         store.get(h)
-    assert store._core.walk_steps <= 6 * n
+    assert internals(store).prefetch_walk_steps <= 6 * n
 
 
 def test_prefetch_window_is_respected(make_store: MakeStore) -> None:
@@ -341,7 +342,7 @@ def test_prefetch_window_is_respected(make_store: MakeStore) -> None:
     states = [store.state_of(h) for h in hs]
     fetched = [i for i, s in enumerate(states) if s in (TensorState.FETCHED, TensorState.FETCHING)]
     assert fetched == [7, 8, 9], states  # newest first, 3 MiB of window
-    store._core.audit()
+    audit(store)
     # Consuming one frees room for the next older one.
     store.get(hs[9])
     wait_for(lambda: store.state_of(hs[6]) in (TensorState.FETCHED, TensorState.FETCHING))
@@ -378,7 +379,7 @@ class GatedEngine(FaultyEngine):
 
 def test_put_waits_when_the_save_semaphore_is_full(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, max_inflight_bytes=2 * MiB)
-    engine = install(store, GatedEngine)
+    engine = install_faults(store, GatedEngine)
     done = threading.Event()
     handles: list[Any] = []
 
@@ -417,7 +418,7 @@ def test_entry_lives_exactly_as_long_as_its_handle(make_store: MakeStore) -> Non
     gc.collect()
     st = store.stats()
     assert st.live_entries == 0 and st.disk.bytes == 0 and st.releases == 1
-    store._core.audit()
+    audit(store)
     wait_for(lambda: not [p for p in Path(spill).iterdir() if p.name.endswith(".bin")])
 
 
@@ -455,7 +456,7 @@ def test_handles_of_another_store_are_rejected(make_store: MakeStore) -> None:
 
 def test_release_during_a_spill_frees_everything(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
-    gated = install(store, GatedEngine)
+    gated = install_faults(store, GatedEngine)
     h = store.put(torch.randn(MiB // 4))
     assert store.state_of(h) is TensorState.MOVING_TO_DISK
     assert torch.equal(store.get(h), store.get(h))  # source still readable in flight
@@ -464,7 +465,7 @@ def test_release_during_a_spill_frees_everything(make_store: MakeStore) -> None:
     wait_for(lambda: store.stats().inflight_bytes == 0)
     st = store.stats()
     assert (st.host.bytes, st.disk.bytes, st.live_entries) == (0, 0, 0)
-    store._core.audit()
+    audit(store)
 
 
 def test_close_removes_spill_directory_and_refuses_calls(
@@ -488,7 +489,7 @@ def test_close_removes_spill_directory_and_refuses_calls(
 def test_calls_from_the_loop_thread_are_refused(make_store: MakeStore) -> None:
     store = make_store()
     h = store.put(torch.ones(4))
-    loop = store._core.loop
+    loop = internals(store).loop
 
     async def inside() -> None:
         store.get(h)
@@ -519,7 +520,7 @@ def test_many_threads_share_one_store(make_store: MakeStore) -> None:
     assert errors == []
     gc.collect()
     wait_for(lambda: store.stats().inflight_bytes == 0)
-    store._core.audit()
+    audit(store)
     assert store.stats().live_entries == 0
 
 
@@ -633,7 +634,7 @@ class HeldReadEngine(GatedEngine):
 def test_a_get_waiting_on_a_failed_prefetch_reads_once_itself(make_store: MakeStore) -> None:
     # Note: [A failed prefetch is retried once]: the prefetch began before the disk recovered.
     store = make_store(device_bytes=0, host_bytes=0)
-    held = install(store, HeldReadEngine)
+    held = install_faults(store, HeldReadEngine)
     t = torch.randn(MiB // 4)
     h = store.put(t)
     wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
@@ -651,7 +652,7 @@ def test_a_get_waiting_on_a_failed_prefetch_reads_once_itself(make_store: MakeSt
 
 def test_a_prefetch_makes_a_future_only_when_a_get_waits_on_it(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
-    held = install(store, HeldReadEngine)
+    held = install_faults(store, HeldReadEngine)
     held.failing = 0
     ts = [torch.randn(MiB // 4) for _ in range(2)]
     hs = [store.put(t) for t in ts]
@@ -659,7 +660,7 @@ def test_a_prefetch_makes_a_future_only_when_a_get_waits_on_it(make_store: MakeS
         lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and store.stats().inflight_bytes == 0
     )
     store.prefetch(hs)
-    entries = [store._core._entries[h.key] for h in hs]
+    entries = [internals(store).entry(h) for h in hs]
     assert [e.state for e in entries] == [TensorState.FETCHING] * 2
     assert [e.fetch_future for e in entries] == [None, None]
     result: list[Any] = []
@@ -677,7 +678,7 @@ def test_a_prefetch_makes_a_future_only_when_a_get_waits_on_it(make_store: MakeS
 
 def test_a_get_whose_own_read_fails_raises(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
-    held = install(store, HeldReadEngine)
+    held = install_faults(store, HeldReadEngine)
     h = store.put(torch.randn(MiB // 4))
     wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
     held.read_gate.set()
@@ -689,17 +690,17 @@ def test_a_get_whose_own_read_fails_raises(make_store: MakeStore) -> None:
 def test_a_read_buffer_that_cannot_be_allocated_fails_the_get_instead_of_hanging(
     make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tierstore.tiers._hostpool import HostPool
+    from tierstore.tiers._readpool import ReadPool
 
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0, timeout=20)
     t = torch.randn(MiB)  # a pooled read
     h = store.put(t)
     wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
 
-    def no_memory(self: HostPool, nbytes: int, **kwargs: int) -> None:
+    def no_memory(self: ReadPool, nbytes: int, **kwargs: int) -> None:
         raise MemoryError(f"cannot map {nbytes} bytes")
 
-    monkeypatch.setattr(HostPool, "take", no_memory)
+    monkeypatch.setattr(ReadPool, "take", no_memory)
     t0 = time.monotonic()
     with pytest.raises(tierstore.SpillIOError, match="cannot map"):
         store.get(h)
@@ -713,11 +714,11 @@ def test_one_get_plans_a_step_of_prefetch_and_the_window_fills_behind_it(
 ) -> None:
     # Note: [Resumable prefetch walk]: planning a whole window of small fetches inside one get
     # held the lock for ~100 ms, and the first get of backward waited behind all of it.
-    from tierstore._core import _PREFETCH_STEP
+    from tierstore.core._prefetch import STEP as _PREFETCH_STEP
 
     n = 3 * _PREFETCH_STEP + 10
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes="unlimited")
-    held = install(store, HeldReadEngine)
+    held = install_faults(store, HeldReadEngine)
     held.failing = 0
     ts = [torch.full((1024,), float(i)) for i in range(n)]  # 4 KiB each
     hs = [store.put(t) for t in ts]

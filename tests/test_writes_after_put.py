@@ -1,6 +1,6 @@
 """A tensor written or freed after put: a clear error for that tensor, nothing else harmed.
 
-See Note: [Writes after put] in ``_core.py``.
+See Note: [Writes after put].
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reliability.faults import install, settled, wait_for
 from tierstore import TensorModifiedError, TensorState, Tier, TieredStore
 from tierstore.config import StoreConfig
+from tierstore.testing import install_faults, settled, wait_for
 from tierstore.tiers._engine import WriteRequest
 from tierstore.tiers.raw import RawEngine
 
@@ -41,7 +41,7 @@ def test_a_storage_freed_before_its_spill_fails_that_tensor_alone(
 ) -> None:
     """FSDP frees a flat parameter with ``storage.resize_(0)``; the raw engine used to crash."""
     store = _disk_store(make_store, engine)
-    faulty = install(store)
+    faulty = install_faults(store)
     tensors = [torch.full((size,), i, dtype=torch.uint8) for i in range(4)]
     victim = 2
 
@@ -70,7 +70,7 @@ def test_a_tensor_written_in_place_during_its_spill_is_named_not_blamed_on_the_d
     make_store: MakeStore, engine: str
 ) -> None:
     store = _disk_store(make_store, engine)
-    faulty = install(store)
+    faulty = install_faults(store)
     t = torch.zeros(3 * MiB)
     faulty.before_write = lambda key: t.add_(1)
     h = store.put(t)

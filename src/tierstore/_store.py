@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from tierstore import _registry
-from tierstore._core import StoreCore
 from tierstore.config import StoreConfig, check_timeout
+from tierstore.core import StoreCore
 from tierstore.errors import StoreClosedError, TierFullError, WrongThreadError
 
 if TYPE_CHECKING:
@@ -102,12 +101,11 @@ class AsyncTieredStore:
         try:
             handle, waiter = core.put_now(t)
         except TierFullError:
-            del t  # Note: [A failed host copy keeps nothing] in _core.py
+            del t  # Note: [A failed host copy keeps nothing]
             raise
         if waiter is not None:
-            t0 = time.perf_counter()
-            await asyncio.shield(asyncio.wrap_future(waiter))
-            core.note_put_wait(time.perf_counter() - t0)
+            with core.waiting("put"):
+                await asyncio.shield(asyncio.wrap_future(waiter))
         return handle
 
     async def get(self, handle: TensorHandle) -> torch.Tensor:
@@ -116,11 +114,8 @@ class AsyncTieredStore:
         ready = core.get_now(handle)
         if isinstance(ready, torch.Tensor):
             return ready
-        t0 = time.perf_counter()
-        try:
+        with core.waiting("get"):
             t = await asyncio.shield(asyncio.wrap_future(ready))
-        finally:
-            core.note_get_wait(time.perf_counter() - t0)
         core.consumed(handle, t)
         return t
 
@@ -168,8 +163,7 @@ class AsyncTieredStore:
         # The loop may be gone at exit; removing the files needs no loop.
         core = self._core
         if core is not None and core.begin_close():
-            for d in core._spill_dirs:
-                d.remove()
+            core.disk_tier.remove()
 
     def _reset_after_fork(self) -> None:
         if self._core is not None:

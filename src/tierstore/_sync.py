@@ -2,25 +2,23 @@
 
 It owns one event loop on a background thread, which runs every transfer. Operations that can
 finish at once (a put with room, a get of a tensor that is back) run in the caller's thread
-(Note: [Threading model] in ``_core.py``); the rest wait on the loop's results.
+(Note: [Threading model]); the rest wait on the loop's results.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import os
 import threading
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from tierstore import _registry
-from tierstore._core import StoreCore
 from tierstore._store import resolve_config
 from tierstore.config import check_timeout
+from tierstore.core import StoreCore
 from tierstore.errors import (
     StoreClosedError,
     StoreTimeoutError,
@@ -113,7 +111,6 @@ class TieredStore:
             thread.join()
             raise
         self._thread = thread
-        self._pid = os.getpid()
 
     def _live(self) -> StoreCore:
         core = self._core
@@ -152,12 +149,11 @@ class TieredStore:
         try:
             handle, waiter = core.put_now(t)
         except TierFullError:
-            del t  # Note: [A failed host copy keeps nothing] in _core.py
+            del t  # Note: [A failed host copy keeps nothing]
             raise
         if waiter is not None:
-            t0 = time.perf_counter()
-            self._wait(waiter, "put")
-            core.note_put_wait(time.perf_counter() - t0)
+            with core.waiting("put"):
+                self._wait(waiter, "put")
         return handle
 
     def get(self, handle: TensorHandle) -> torch.Tensor:
@@ -166,7 +162,7 @@ class TieredStore:
         The result is a contiguous tensor with the dtype and shape that were put, whose
         storage holds exactly its bytes: ``storage_offset() == 0`` and
         ``untyped_storage().nbytes()`` is its own size, so nothing of another tensor can be
-        reached through it (Note: [What get returns] in ``_core.py``). A tensor read back from
+        reached through it (Note: [What get returns]). A tensor read back from
         disk sits in a reused read buffer whose storage cannot grow, as with
         ``torch.frombuffer``: ``clone()`` it before using it as a resizable ``out=``.
 
@@ -186,11 +182,8 @@ class TieredStore:
         ready = core.get_now(handle)
         if isinstance(ready, torch.Tensor):
             return ready
-        t0 = time.perf_counter()
-        try:
+        with core.waiting("get"):
             t = self._wait(ready, f"get of {handle!r}")
-        finally:
-            core.note_get_wait(time.perf_counter() - t0)
         core.consumed(handle, t)
         return t
 

@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 import tierstore
-import tierstore._core as core_mod
 from tierstore import SpillIOError, TieredStore
-
-from .faults import install, wait_for
+from tierstore.core import _disk_room as disk_room
+from tierstore.testing import audit, install_faults, wait_for
 
 KiB = 1 << 10
 MakeStore = Callable[..., TieredStore]
@@ -52,10 +51,10 @@ def _grads(model: nn.Module, store: TieredStore | None) -> list[torch.Tensor]:
 def test_failing_disk_writes_keep_gradients_bit_exact(
     make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(core_mod, "_DISK_RETRY_SECONDS", 0.01)
+    monkeypatch.setattr(disk_room, "RETRY_SECONDS", 0.01)
     expected = _grads(_model(), None)
     store = make_store(device_bytes=0, host_bytes=256 * KiB)
-    faulty = install(store)
+    faulty = install_faults(store)
     faulty.fail_writes(errno.ENOSPC)
     with warnings.catch_warnings():
         # The adapter warns once when a tensor stays in place for lack of room.
@@ -65,13 +64,13 @@ def test_failing_disk_writes_keep_gradients_bit_exact(
     assert len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
-    store._core.audit()
+    audit(store)
 
 
 @needs_adapters
 def test_failing_disk_read_in_backward_raises_naming_the_tensor(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
-    faulty = install(store)
+    faulty = install_faults(store)
     model = _model()
     x = torch.randn(256, 128)
     assert offload_activations is not None

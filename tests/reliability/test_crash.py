@@ -156,10 +156,10 @@ def test_keyboard_interrupt_mid_step_closes_the_store(disk_dir: Path) -> None:
 
 SLOW_EXIT = """
     import sys, time, torch, tierstore
-    from reliability.faults import install
+    from tierstore.testing import install_faults
     store = tierstore.TieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
                                   min_bytes=0, timeout={timeout}, io_chunk_bytes="1MiB")
-    faulty = install(store)
+    faulty = install_faults(store)
     {slow}
     print(store.spill_dirs[0], flush=True)
     hs = [store.put(torch.full((1 << 18 if i % 2 else {big},), float(i))) for i in range(8)]
@@ -200,10 +200,10 @@ def test_exit_with_io_pending_finishes_or_cancels_without_hanging(
 BLOCKED_PUT = """
     import signal, sys, threading, torch, tierstore
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from reliability.faults import install
+    from tierstore.testing import install_faults
     store = tierstore.TieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
                                   min_bytes=0, max_inflight_bytes="1MiB", timeout=2)
-    faulty = install(store)
+    faulty = install_faults(store)
     faulty.write_gate = threading.Event()  # the disk never answers
     print(store.spill_dirs[0], flush=True)
     hs = [store.put(torch.ones({big}))]  # 3 MiB in flight: the semaphore is full
@@ -239,18 +239,18 @@ def test_signal_while_put_waits_on_backpressure_does_not_hang(
 
 ASYNC_EXIT = """
     import asyncio, torch, tierstore
-    from reliability.faults import install
+    from tierstore.testing import install_faults, internals
 
     async def main():
         store = tierstore.AsyncTieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
                                            min_bytes=0)
         await store.open()
-        faulty = install(store)
+        faulty = install_faults(store)
         faulty.write_delay = 0.3
-        print(store._core.spill_dirs[0], flush=True)
+        print(internals(store).spill_dirs[0], flush=True)
         hs = [await store.put(torch.full((1 << 18 if i % 2 else {big},), float(i)))
               for i in range(6)]
-        assert store._core.stats().inflight_bytes > 0
+        assert (await store.stats()).inflight_bytes > 0
         print("PENDING", flush=True)
         return hs  # the loop ends with writes pending and the store never closed
 
@@ -259,7 +259,7 @@ ASYNC_EXIT = """
 
 
 def test_async_store_left_open_when_its_loop_ends_exits_cleanly(disk_dir: Path) -> None:
-    # install() needs a TieredStore-like object; AsyncTieredStore has the same _core.
+    # install_faults() takes an AsyncTieredStore as well, once it has opened.
     proc = _run(ASYNC_EXIT.format(disk_dir=str(disk_dir), big=BIG))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-import tierstore._core as core_mod
 from tierstore import (
     CorruptTensorError,
     SpillIOError,
@@ -27,8 +27,16 @@ from tierstore import (
     TieredStore,
     TierFullError,
 )
-
-from .faults import backdoor_files, install, settled, short_io, wait_for
+from tierstore.core import _disk_room as disk_room
+from tierstore.testing import (
+    audit,
+    backdoor_files,
+    install_faults,
+    internals,
+    settled,
+    short_io,
+    wait_for,
+)
 
 MiB = 1 << 20
 MakeStore = Callable[..., TieredStore]
@@ -45,14 +53,14 @@ def _pattern(n: int, seed: int) -> torch.Tensor:
 def free_space(monkeypatch: pytest.MonkeyPatch) -> dict[str, int | None]:
     """Control what the store believes is free on disk (None: the real statvfs answer)."""
     box: dict[str, int | None] = {"free": None}
-    real = core_mod._free_bytes
+    real = disk_room.free_bytes
 
     def fake(dirs: Any) -> int:
         value = box["free"]
         return real(dirs) if value is None else value
 
-    monkeypatch.setattr(core_mod, "_free_bytes", fake)
-    monkeypatch.setattr(core_mod, "_DISK_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(disk_room, "free_bytes", fake)
+    monkeypatch.setattr(disk_room, "RETRY_SECONDS", 0.05)
     return box
 
 
@@ -62,7 +70,7 @@ def free_space(monkeypatch: pytest.MonkeyPatch) -> dict[str, int | None]:
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])
 def test_failed_write_keeps_the_tensor_in_host_memory(make_store: MakeStore, code: int) -> None:
     store = make_store(device_bytes=0, host_bytes=MiB)
-    faulty = install(store)
+    faulty = install_faults(store)
     faulty.fail_writes(code)
     ts = [_pattern(MiB // 8, i) for i in range(3)]  # 512 KiB each: two fit in the host tier
     hs = [store.put(t) for t in ts]
@@ -76,7 +84,7 @@ def test_failed_write_keeps_the_tensor_in_host_memory(make_store: MakeStore, cod
     # While the disk tier is paused, a put with no room left raises instead of piling up.
     with pytest.raises(TierFullError, match="disk tier unavailable"):
         store.put(_pattern(MiB // 8, 9))
-    store._core.audit()
+    audit(store)
     for h, t in zip(hs, ts, strict=True):
         assert torch.equal(store.get(h), t)
     assert faulty.written == set()
@@ -88,7 +96,7 @@ def test_tier_full_says_why_the_disk_takes_nothing_and_what_to_do(
 ) -> None:
     """A disk that fails its writes is not helped by a bigger TIERSTORE_DISK_BYTES."""
     store = make_store(device_bytes=0, host_bytes=MiB)
-    faulty = install(store)
+    faulty = install_faults(store)
     faulty.fail_writes(OSError(code, f"growing spill.raw by 67108864 bytes: {os.strerror(code)}"))
     hs = [store.put(_pattern(MiB // 8, i)) for i in range(3)]
     wait_for(lambda: faulty.failed_writes == 1 and settled(store), what="a failed write")
@@ -110,7 +118,7 @@ def test_enospc_makes_disk_unavailable_until_space_returns(
     make_store: MakeStore, free_space: dict[str, int | None]
 ) -> None:
     store = make_store(device_bytes=0, host_bytes=MiB)
-    faulty = install(store)
+    faulty = install_faults(store)
     faulty.fail_writes(errno.ENOSPC)
     free_space["free"] = 0  # what statvfs says once the write has hit ENOSPC
     hs = [store.put(_pattern(MiB // 8, i)) for i in range(2)]
@@ -119,9 +127,10 @@ def test_enospc_makes_disk_unavailable_until_space_returns(
     wait_for(lambda: faulty.failed_writes >= 1 and settled(store), what="ENOSPC")
     free_space["free"] = 0
     attempts = faulty.writes
-    # Well past the retry pause, the disk is still full: no new write is attempted, the tier
-    # reports unavailable, and a put with no room left anywhere raises instead of piling up.
-    wait_for(lambda: core_mod.time.monotonic() - (store._core._disk_failed_at or 0) > 0.2)
+    # Well past the retry pause (0.05 s), the disk is still full: no new write is attempted,
+    # the tier reports unavailable, and a put with no room left anywhere raises instead of
+    # piling up.
+    time.sleep(0.2)
     assert not store.stats().disk_available
     with pytest.raises(TierFullError, match="disk tier unavailable"):
         store.put(_pattern(MiB // 4, 99))
@@ -135,7 +144,7 @@ def test_enospc_makes_disk_unavailable_until_space_returns(
     hs.append(store.put(_pattern(MiB // 8, 3)))
     wait_for(lambda: settled(store) and store.stats().host.bytes <= MiB, what="spill resumed")
     assert store.stats().disk.entries >= 2
-    store._core.audit()
+    audit(store)
     for i, h in enumerate(hs):
         assert torch.equal(store.get(h), _pattern(MiB // 8, i))
 
@@ -144,7 +153,7 @@ def test_free_space_is_checked_before_each_spill(
     make_store: MakeStore, free_space: dict[str, int | None]
 ) -> None:
     store = make_store(device_bytes=0, host_bytes=MiB, disk_bytes="1GiB")
-    faulty = install(store)
+    faulty = install_faults(store)
     free_space["free"] = MiB // 4  # less than one tensor: another process filled the disk
     hs = [store.put(_pattern(MiB // 8, i)) for i in range(3)]
     wait_for(lambda: settled(store))
@@ -166,7 +175,7 @@ def test_transient_eio_pauses_then_retries(
     make_store: MakeStore, free_space: dict[str, int | None]
 ) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
-    faulty = install(store)
+    faulty = install_faults(store)
     faulty.fail_writes(errno.EIO, times=1)
     h1 = store.put(_pattern(MiB // 4, 1))
     wait_for(lambda: faulty.failed_writes == 1 and settled(store))
@@ -177,7 +186,7 @@ def test_transient_eio_pauses_then_retries(
     wait_for(lambda: store.tier_of(h1) is Tier.DISK and store.tier_of(h2) is Tier.DISK)
     assert torch.equal(store.get(h1), _pattern(MiB // 4, 1))
     assert torch.equal(store.get(h2), _pattern(MiB // 4, 2))
-    store._core.audit()
+    audit(store)
 
 
 def test_no_tier_with_room_raises_tier_full_and_drops_nothing(
@@ -197,7 +206,7 @@ def test_no_tier_with_room_raises_tier_full_and_drops_nothing(
     store.release(hs[0])
     wait_for(lambda: store.stats().host.bytes + store.stats().disk.bytes <= 2 * MiB)
     store.put(_pattern(MiB // 4, 10))
-    store._core.audit()
+    audit(store)
 
 
 # --------------------------------------------------------------------------- read faults
@@ -205,7 +214,7 @@ def test_no_tier_with_room_raises_tier_full_and_drops_nothing(
 
 def test_eio_on_read_names_the_tensor_and_keeps_it(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
-    faulty = install(store)
+    faulty = install_faults(store)
     t = _pattern(3 * MiB // 16, 7)
     h = store.put(t.view(3, -1))
     wait_for(lambda: store.tier_of(h) is Tier.DISK and settled(store))
@@ -218,12 +227,12 @@ def test_eio_on_read_names_the_tensor_and_keeps_it(make_store: MakeStore) -> Non
     assert store.state_of(h) is TensorState.DISK, "a failed read must not lose the entry"
     assert store.stats().read_errors == 1
     assert torch.equal(store.get(h), t.view(3, -1))  # the next try reads it
-    store._core.audit()
+    audit(store)
 
 
 def test_eio_on_prefetch_surfaces_at_get(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=8 * MiB)
-    faulty = install(store)
+    faulty = install_faults(store)
     hs = [store.put(_pattern(MiB // 4, i)) for i in range(4)]
     wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and settled(store))
     faulty.fail_reads(errno.EIO)
@@ -235,7 +244,7 @@ def test_eio_on_prefetch_surfaces_at_get(make_store: MakeStore) -> None:
     faulty.heal()
     for i, h in enumerate(hs):
         assert torch.equal(store.get(h), _pattern(MiB // 4, i))
-    store._core.audit()
+    audit(store)
 
 
 # --------------------------------------------------------------------------- short I/O
@@ -298,7 +307,7 @@ def test_corrupted_spill_file_raises_never_garbage(
         store.get(h)
     st = store.stats()
     assert st.read_errors == 1 and st.disk.bytes == 0
-    store._core.audit()
+    audit(store)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -311,7 +320,7 @@ def test_truncated_spill_file_raises_never_garbage(make_store: MakeStore, fmt: s
     with pytest.raises(CorruptTensorError, match=f"tensor #{h.key}"):
         store.get(h)
     assert store.state_of(h) is TensorState.FAILED
-    store._core.audit()
+    audit(store)
 
 
 # --------------------------------------------------------------------------- released in flight
@@ -325,14 +334,14 @@ def _block_loop(store: TieredStore) -> threading.Event:
         held.set()
         go.wait(30)
 
-    store._core.loop.call_soon_threadsafe(hold)
+    internals(store).loop.call_soon_threadsafe(hold)
     assert held.wait(10)
     return go
 
 
 def test_released_before_its_read_starts_is_never_read(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=8 * MiB)
-    faulty = install(store)
+    faulty = install_faults(store)
     hs = [store.put(_pattern(MiB // 4, i)) for i in range(3)]
     wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and settled(store))
     go = _block_loop(store)
@@ -343,4 +352,4 @@ def test_released_before_its_read_starts_is_never_read(make_store: MakeStore) ->
     go.set()
     wait_for(lambda: store.stats().disk.bytes == 0 and faulty.deletes == 3)
     assert faulty.reads == 0
-    store._core.audit()
+    audit(store)

@@ -27,8 +27,7 @@ import torch
 
 import tierstore
 from tierstore import ConfigError, TieredStore, UnsupportedTensorError
-
-from .faults import wait_for
+from tierstore.testing import audit, internals, wait_for
 
 MiB = 1 << 20
 MakeStore = Callable[..., TieredStore]
@@ -74,7 +73,7 @@ def test_unstorable_tensors_raise_a_clear_error(make_store: MakeStore, name: str
         store.put(obj)  # type: ignore[arg-type]
     assert isinstance(info.value, TypeError)
     assert store.stats().live_entries == 0 and store.stats().puts == 0
-    store._core.audit()
+    audit(store)
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
@@ -119,6 +118,7 @@ def test_autograd_and_inference_tensors_pass_through_as_plain_data(make_store: M
 
 COPY_FAILS = """
     import gc, json, resource, torch, tierstore
+    from tierstore.testing import audit, internals
 
     def rss():
         with open("/proc/self/statm") as f:
@@ -144,13 +144,13 @@ COPY_FAILS = """
     del view, base
     gc.collect()
     st = store.stats()
-    store._core.audit()
+    audit(store)
     print(json.dumps({{
         "types": [c.__name__ for c in type(err).__mro__],
         "message": str(err),
         "freed": with_base - rss(),
         "live": st.live_entries, "puts": st.puts, "device": st.device.bytes,
-        "host": st.host.bytes, "states": [e.state.name for e in store._core._entries.values()],
+        "host": st.host.bytes, "states": internals(store).states(),
     }}))
     store.close()
 """
@@ -188,12 +188,12 @@ def test_a_view_whose_copy_cannot_be_allocated_is_refused_and_nothing_is_kept(
 def test_an_older_view_whose_copy_fails_stays_on_its_device_until_memory_returns(
     make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import tierstore._core as core_mod
+    from tierstore.core import _moves as moves
 
     store = make_store(device_bytes=8 * 4000, host_bytes=1 << 30)
     base = torch.randn(8000)
     old = store.put(base[::2])  # 16000 bytes, room on the device: no copy yet
-    real_compact = core_mod.compact
+    real_compact = moves.compact
     out_of_memory = True
 
     def compact(t: torch.Tensor) -> torch.Tensor:
@@ -201,7 +201,7 @@ def test_an_older_view_whose_copy_fails_stays_on_its_device_until_memory_returns
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
         return real_compact(t)
 
-    monkeypatch.setattr(core_mod, "compact", compact)
+    monkeypatch.setattr(moves, "compact", compact)
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         new = [store.put(torch.randn(4000)) for _ in range(3)]  # push the old one down
     assert store.state_of(old) is tierstore.TensorState.DEVICE  # kept, not lost
@@ -211,7 +211,7 @@ def test_an_older_view_whose_copy_fails_stays_on_its_device_until_memory_returns
     new.append(store.put(torch.randn(4000)))  # the next put tries again
     assert store.state_of(old) is tierstore.TensorState.HOST
     assert torch.equal(store.get(old), base[::2])
-    store._core.audit()
+    audit(store)
 
 
 # --------------------------------------------------------------------------- disk directory
@@ -329,7 +329,7 @@ def test_filesystem_without_o_direct_falls_back_in_auto_mode(
         with caplog.at_level(logging.WARNING, logger="tierstore"):
             store = TieredStore(disk_dir=mnt, host_bytes=0, min_bytes=0, direct_io="auto")
         try:
-            engine = store._core.engine
+            engine = internals(store).engine
             assert engine is not None
             assert "O_DIRECT is refused" in caplog.text
             assert engine.describe()["direct_io"] == {str(store.spill_dirs[0]): False}
@@ -337,7 +337,7 @@ def test_filesystem_without_o_direct_falls_back_in_auto_mode(
             # reports no free space, so the store's disk tier itself has capacity 0).
             src = torch.randint(0, 256, (MiB + 4097,), dtype=torch.uint8)
             out = torch.empty_like(src)
-            loop = store._core.loop
+            loop = internals(store).loop
             asyncio.run_coroutine_threadsafe(engine.write(10**9, src), loop).result(30)
             asyncio.run_coroutine_threadsafe(engine.read(10**9, out), loop).result(30)
             assert torch.equal(out, src)

@@ -19,6 +19,7 @@ import torch
 
 import tierstore
 from tierstore import AsyncTieredStore, Tier, TieredStore, WrongThreadError
+from tierstore.testing import audit, internals
 
 MiB = 1 << 20
 
@@ -50,7 +51,7 @@ async def test_sync_store_created_and_used_inside_a_coroutine(disk_dir: Path) ->
         assert store.tier_of(hs[0]) is Tier.DISK
         for h, t in zip(reversed(hs), reversed(ts), strict=True):
             assert torch.equal(store.get(h), t)  # a blocking get from inside the loop
-        store._core.audit()
+        audit(store)
     finally:
         store.close()
     assert list(disk_dir.iterdir()) == []
@@ -97,7 +98,7 @@ async def test_async_store_in_the_running_loop_spills_and_reads_back(disk_dir: P
     ) as store:
         ts = [torch.randn(MiB // 4) for _ in range(6)]
         hs = [await store.put(t) for t in ts]
-        await _until(lambda: store._core is not None and store._core.stats().inflight_bytes == 0)
+        await _until(lambda: internals(store).stats().inflight_bytes == 0)
         assert await store.tier_of(hs[0]) is Tier.DISK
         await store.prefetch(hs)
         outs = await asyncio.gather(*(store.get(h) for h in hs))
@@ -111,7 +112,9 @@ async def test_sync_store_inside_its_own_loop_thread_refuses_instead_of_deadlock
     store = TieredStore(disk_dir=disk_dir, min_bytes=0)
     try:
         h = store.put(torch.ones(10))
-        fut = asyncio.run_coroutine_threadsafe(_get_from_store_loop(store, h), store._core.loop)  # type: ignore[union-attr]
+        fut = asyncio.run_coroutine_threadsafe(
+            _get_from_store_loop(store, h), internals(store).loop
+        )
         with pytest.raises(WrongThreadError, match="own event-loop thread"):
             await asyncio.wrap_future(fut)
     finally:

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import tierstore._core as core_mod
 from tierstore import Tier, TieredStore, TierFullError
-
-from .faults import install, settled, wait_for
+from tierstore.core import _disk_room as disk_room
+from tierstore.testing import audit, install_faults, settled, wait_for
 
 MiB = 1 << 20
 
@@ -119,14 +118,14 @@ def test_filling_a_real_filesystem_loses_nothing(small_fs: Path) -> None:
         wait_for(lambda: settled(store))
         for h, t in kept:
             assert torch.equal(store.get(h), t)  # type: ignore[arg-type]
-        store._core.audit()
+        audit(store)
     assert list(small_fs.iterdir()) == []
 
 
 def test_real_enospc_mid_run_then_space_returns(
     small_fs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(core_mod, "_DISK_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(disk_room, "RETRY_SECONDS", 0.05)
     filler: list[Path] = []
     with TieredStore(
         # direct_io="auto": O_DIRECT wherever the filesystem takes it.
@@ -136,7 +135,7 @@ def test_real_enospc_mid_run_then_space_returns(
         min_bytes=0,
         direct_io="auto",
     ) as store:
-        faulty = install(store)
+        faulty = install_faults(store)
         real_errors: list[BaseException] = []
         inner_write = faulty.inner.write
 
@@ -167,5 +166,5 @@ def test_real_enospc_mid_run_then_space_returns(
         wait_for(lambda: settled(store) and store.tier_of(hs[0]) is Tier.DISK)
         for i, h in enumerate(hs):
             assert torch.equal(store.get(h), _t(i))
-        store._core.audit()
+        audit(store)
     assert list(small_fs.iterdir()) == []

@@ -22,12 +22,11 @@ import pytest
 import torch
 
 import tierstore
-import tierstore._core as core_mod
 import tierstore._spilldir as spilldir
 from tierstore import SpillIOError, Tier, TieredStore, TierFullError
 from tierstore._spilldir import PREFIX, sweep_stale
-
-from .faults import backdoor_files, install, wait_for
+from tierstore.core import _disk_room as disk_room
+from tierstore.testing import backdoor_files, install_faults, wait_for
 
 MiB = 1 << 20
 MakeStore = Callable[..., TieredStore]
@@ -95,7 +94,7 @@ def test_predictable_spill_dir_name_taken_by_a_symlink_is_not_followed(
 def test_symlinks_planted_at_spill_file_names_are_never_followed(
     make_store: MakeStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(core_mod, "_DISK_RETRY_SECONDS", 0.01)
+    monkeypatch.setattr(disk_room, "RETRY_SECONDS", 0.01)
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"keep me")
     store = make_store(device_bytes=0, host_bytes=0)
@@ -172,13 +171,13 @@ def test_nothing_on_the_load_path_unpickles(
 def test_no_tensor_contents_are_ever_logged(
     make_store: MakeStore, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(core_mod, "_DISK_RETRY_SECONDS", 0.01)
+    monkeypatch.setattr(disk_room, "RETRY_SECONDS", 0.01)
     marker = 271828.125  # exactly representable; any printed tensor would show it
     t = torch.full((MiB // 4,), marker)
     t[7] = -31415.5
     with caplog.at_level(logging.DEBUG, logger="tierstore"):
         store = make_store(device_bytes=0, host_bytes=MiB // 2, disk_bytes=4 * MiB)
-        faulty = install(store)
+        faulty = install_faults(store)
         faulty.fail_writes(errno.EIO, times=1)
         hs = []
         for _ in range(4):

@@ -33,7 +33,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-import tierstore._core as core_mod
 from tierstore import (
     SpillIOError,
     TensorReleasedError,
@@ -42,8 +41,8 @@ from tierstore import (
     TieredStore,
     TierFullError,
 )
-
-from .faults import install, wait_for
+from tierstore.core import _disk_room as disk_room
+from tierstore.testing import audit, install_faults, wait_for
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -150,7 +149,7 @@ def _worker(
 def test_eight_threads_thousands_of_random_calls(
     make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, faults: bool, big: bool
 ) -> None:
-    monkeypatch.setattr(core_mod, "_DISK_RETRY_SECONDS", 0.01)
+    monkeypatch.setattr(disk_room, "RETRY_SECONDS", 0.01)
     if big:
         ops, sizes = 150, BIG_SIZES
         store = make_store(
@@ -170,7 +169,7 @@ def test_eight_threads_thousands_of_random_calls(
             max_inflight_bytes=512 * KiB,
             disk_bytes=64 * MiB,
         )
-    faulty = install(store)
+    faulty = install_faults(store)
     if faults:
         # Fail every 7th write and every 5th read (deterministic, across threads).
         counter = {"w": 0, "r": 0}
@@ -203,7 +202,7 @@ def test_eight_threads_thousands_of_random_calls(
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
-            store._core.audit()  # consistent while eight threads race
+            audit(store)  # consistent while eight threads race
             for t in threads:
                 t.join(0.05)
         for t in threads:
@@ -218,7 +217,7 @@ def test_eight_threads_thousands_of_random_calls(
     st = store.stats()
     assert st.live_entries == len(live), (st.live_entries, len(live))
     assert st.puts - st.releases == len(live)
-    store._core.audit()
+    audit(store)
     for h, t in live:  # no entry lost, none garbled
         for _ in range(50):
             try:
@@ -241,7 +240,7 @@ def test_eight_threads_thousands_of_random_calls(
 
     # Reads of entries released mid-fetch finish in the background, then free their bytes.
     wait_for(drained, what="every byte freed")
-    store._core.audit()
+    audit(store)
     wait_for(lambda: faulty.written == set(), what="every spilled key deleted")
 
 
@@ -273,8 +272,8 @@ class StoreMachine(RuleBasedStateMachine):
         self, device: int, host: int, prefetch: int, first: list[int], **settings: object
     ) -> Any:
         # A short pause after a write error keeps sequences with faults quick.
-        self.saved_retry = core_mod._DISK_RETRY_SECONDS
-        core_mod._DISK_RETRY_SECONDS = 0.01
+        self.saved_retry = disk_room.RETRY_SECONDS
+        disk_room.RETRY_SECONDS = 0.01
         settings = {"max_inflight_bytes": 64 * KiB, "disk_bytes": 16 * MiB, **settings}
         self.store = TieredStore(
             disk_dir=self.dir,
@@ -284,7 +283,7 @@ class StoreMachine(RuleBasedStateMachine):
             min_bytes=1024,
             **settings,
         )
-        self.faulty = install(self.store)
+        self.faulty = install_faults(self.store)
         # Start with a batch, so every sequence has entries moving through every tier.
         return multiple(*(self._put(seed, n) for seed, n in enumerate(first)))
 
@@ -366,11 +365,11 @@ class StoreMachine(RuleBasedStateMachine):
             return
         # Handles are only in self.model (the bundle holds keys): a dropped one dies at once.
         assert self.store.stats().live_entries == len(self.model)
-        self.store._core.audit()
+        audit(self.store)
 
     def teardown(self) -> None:
         if hasattr(self, "saved_retry"):
-            core_mod._DISK_RETRY_SECONDS = self.saved_retry
+            disk_room.RETRY_SECONDS = self.saved_retry
         if self.store is not None:
             self.faulty.heal()
             for h, t in self.model.values():
@@ -474,6 +473,6 @@ def test_round_trips_of_random_shapes_dtypes_and_strides(disk_dir: Path, tier: s
             store.release(h)
 
         check()
-        store._core.audit()
+        audit(store)
         assert store.stats().live_entries == 0
     assert list(disk_dir.iterdir()) == []

@@ -12,6 +12,7 @@ which takes a fraction of a second instead of a fresh interpreter per mutant.
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +22,6 @@ import pytest
 
 import tierstore
 from mutants import ROOT, Edit, Mutant, apply
-from tierstore import _core
 from tierstore.tiers import _device
 
 from .test_device_sim import SCENARIOS, session
@@ -124,18 +124,25 @@ def applied(mutant: Mutant) -> Iterator[None]:
     exec(compile(source, _device.__file__, "exec"), edited.__dict__)
     names = [n for n in vars(edited) if not n.startswith("__") and hasattr(_device, n)]
     saved = {n: getattr(_device, n) for n in names}
-    users = {n: getattr(_core, n) for n in names if getattr(_core, n, None) is saved[n]}
+    # Every module of the store that imported one of these names uses the edited one too.
+    users = [
+        (module, n)
+        for name, module in list(sys.modules.items())
+        if name.startswith("tierstore.") and module is not _device
+        for n in names
+        if getattr(module, n, None) is saved[n]
+    ]
     try:
         for n in names:
             setattr(_device, n, getattr(edited, n))
-        for n in users:
-            setattr(_core, n, getattr(edited, n))
+        for module, n in users:
+            setattr(module, n, getattr(edited, n))
         yield
     finally:
         for n, value in saved.items():
             setattr(_device, n, value)
-        for n, value in users.items():
-            setattr(_core, n, value)
+        for module, n in users:
+            setattr(module, n, saved[n])
 
 
 @pytest.mark.parametrize("gm", GPU_MUTANTS, ids=lambda gm: gm.mutant.name)

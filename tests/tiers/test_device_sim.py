@@ -21,6 +21,7 @@ import torch
 
 import tierstore
 from tierstore import Tier
+from tierstore.testing import audit, internals, plain_tensor_type
 from tierstore.tiers import _accelerator, _device
 
 gpusim = pytest.importorskip("gpusim")
@@ -56,26 +57,18 @@ class Env:
 def session(schedule: str, disk_dir: Path) -> Iterator[Env]:
     """Simulated GPUs for the block; stores made in it are closed (and audited) before it ends,
     and the race checker must have stayed silent (else ``SimulationError`` at exit)."""
-    from tierstore import _core
     from tierstore.adapters import _storage
 
-    check, reason = _core._check_tensor, _storage.unsupported_reason
+    reason = _storage.unsupported_reason
 
     # The store refuses tensor subclasses; the simulator's stands in for a plain device tensor.
-    def check_tensor(t: object) -> None:
-        if isinstance(t, gpusim.SimTensor):
-            if not _accelerator.is_accelerator(t.device):
-                raise tierstore.UnsupportedTensorError(f"{t.device} is no accelerator")
-            return
-        check(t)
-
     def unsupported(t: torch.Tensor) -> str | None:
         return None if isinstance(t, gpusim.SimTensor) else reason(t)
 
-    _core._check_tensor, _storage.unsupported_reason = check_tensor, unsupported  # type: ignore[assignment]
-    _device._side_streams.clear()
+    _storage.unsupported_reason = unsupported  # type: ignore[assignment]
+    _device.forget_streams()
     try:
-        with gpusim.simulate(schedule, legacy=True) as sim:
+        with plain_tensor_type(gpusim.SimTensor), gpusim.simulate(schedule, legacy=True) as sim:
             env = Env(sim, disk_dir)
             try:
                 yield env
@@ -83,11 +76,11 @@ def session(schedule: str, disk_dir: Path) -> Iterator[Env]:
                 gc.collect(1)  # young objects only: a full collection costs ~0.2 s here
                 for store in env.made:
                     if not store.closed:
-                        store._core.audit()
+                        audit(store)
                     store.close()
     finally:
-        _core._check_tensor, _storage.unsupported_reason = check, reason  # type: ignore[assignment]
-        _device._side_streams.clear()
+        _storage.unsupported_reason = reason  # type: ignore[assignment]
+        _device.forget_streams()
 
 
 @pytest.fixture(params=["lazy", "eager"])
@@ -327,9 +320,10 @@ def test_each_tensor_returns_to_its_own_device(env: Env, layout: str) -> None:
         got = store.get(h)
         assert got.device == torch.device(device)
         assert torch.equal(on_host(got), want)
-    sides = {(index, role) for _, index, role in _device._side_streams}
+    streams = _device.side_streams()
+    sides = {(index, role) for _, index, role in streams}
     assert {(0, "down"), (1, "down"), (0, "up"), (1, "up")} <= sides
-    assert all(s.device_index == index for (_, index, _), s in _device._side_streams.items())
+    assert all(s.device_index == index for (_, index, _), s in streams.items())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -367,13 +361,13 @@ def test_info_reports_the_accelerator_through_the_seam(env: Env) -> None:
 
 def test_put_accepts_the_accelerators_own_device_type(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not the string "cuda": whatever device type the runtime names (xpu, a renamed one)."""
-    from tierstore import _core
+    from tierstore.core._checks import check_tensor
 
     meta = torch.empty(4, device="meta")
     with pytest.raises(tierstore.UnsupportedTensorError, match="meta"):
-        _core._check_tensor(meta)
+        check_tensor(meta)
     monkeypatch.setattr(_accelerator, "accelerator_type", lambda: "meta")
-    _core._check_tensor(meta)
+    check_tensor(meta)
 
 
 # ------------------------------------------------------------------ training
@@ -554,8 +548,8 @@ def test_spills_move_between_the_pinned_pool_and_the_disk_without_a_copy(
     big = [produced("cuda:0", "contiguous", seed=i, rows=768, cols=1024) for i in range(3)]
     hs = [store.put(t) for t, _ in big]
     assert rests(store, hs[0]) is Tier.DISK  # the third put made the first spill
-    pool = store._core._pinned
-    region = [(t.data_ptr(), t.numel()) for t in pool._regions]
+    pool = internals(store).pinned_pool
+    region = pool.pieces()
     assert pool.pinned is True
 
     def in_pool(address: int) -> bool:

@@ -27,7 +27,6 @@ import abc
 import asyncio
 import os
 import stat
-import time
 from typing import TYPE_CHECKING, ClassVar
 
 import pytest
@@ -289,6 +288,7 @@ class EngineTests(abc.ABC):
 
     def test_a_store_spills_through_it_and_reads_back(self, tmp_path: Path) -> None:
         from tierstore import Tier, TieredStore
+        from tierstore.testing._internals import settled, wait_for
 
         srcs = [random_bytes(n, seed=n).view(-1) for n in (4097, 3 * CHUNK + 5)]
         with TieredStore(
@@ -300,9 +300,7 @@ class EngineTests(abc.ABC):
             io_chunk_bytes=CHUNK,
         ) as store:
             hs = [store.put(t) for t in srcs]
-            deadline = time.monotonic() + 30
-            while store.stats().inflight_bytes and time.monotonic() < deadline:
-                time.sleep(0.005)
+            wait_for(lambda: settled(store), what="the spills")
             for h, t in zip(hs, srcs, strict=True):
                 assert store.tier_of(h) is Tier.DISK
                 assert torch.equal(store.get(h), t)

@@ -51,11 +51,14 @@ __all__ = [
     "compact",
     "copy_to_device",
     "copy_to_host",
+    "current_stream",
     "discard",
+    "forget_streams",
     "from_bytes",
     "hand_over",
     "host_buffer",
     "ready_event",
+    "side_streams",
     "upload",
 ]
 
@@ -136,6 +139,12 @@ def _side_stream(device: torch.device, role: str) -> Any:
             stream = _accelerator.new_stream(torch.device(device.type, key[1]))
             _side_streams[key] = stream
         return stream
+
+
+def side_streams() -> dict[tuple[str, int, str], Any]:
+    """The side streams made so far, by device type, device index and role."""
+    with _side_lock:
+        return dict(_side_streams)
 
 
 def forget_streams() -> None:

@@ -79,6 +79,14 @@ class PinnedPool:
         self.used_bytes = 0
         """Bytes of buffers taken and not yet returned."""
 
+    def pieces(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each piece of the region (none before the first take)."""
+        with self._lock:
+            return [
+                (address, (self._starts[i + 1] - self._starts[i]) * _PAGE)
+                for i, address in enumerate(self._addresses)
+            ]
+
     def _allocate(self) -> None:
         """Allocate the region (under the lock); pinned, or pageable with one warning.
 
@@ -142,7 +150,7 @@ class PinnedPool:
         """A free buffer of ``span`` bytes (default ``nbytes``), or None when none fits.
 
         Returns:
-            ``(window, data)``, as ``HostPool.take``: ``window`` is the whole buffer from its
+            ``(window, data)``, as ``ReadPool.take``: ``window`` is the whole buffer from its
             first page, ``data`` the ``nbytes`` at ``lead`` as a tensor whose storage is
             exactly those bytes. Either keeps the buffer busy while it lives. None when the
             pool is disabled, or full (for the moment: buffers come back as their tensors

@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-__all__ = ["HostPool"]
+__all__ = ["ReadPool"]
 
 _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
@@ -53,7 +53,7 @@ def _tensors(m: mmap.mmap, nbytes: int, lead: int, span: int) -> tuple[torch.Ten
     return window, torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=lead)
 
 
-class HostPool:
+class ReadPool:
     """Page-aligned host buffers, reused once no tensor refers to them.
 
     Args:

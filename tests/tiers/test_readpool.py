@@ -1,4 +1,4 @@
-"""HostPool: a read buffer is reused only once no tensor or view refers to it."""
+"""ReadPool: a read buffer is reused only once no tensor or view refers to it."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import gc
 import pytest
 import torch
 
-from tierstore.tiers._hostpool import HostPool
+from tierstore.tiers._readpool import ReadPool
 
 MiB = 1 << 20
 
 
 def test_buffers_are_page_aligned_and_sized() -> None:
-    pool = HostPool(keep_bytes=64 * MiB)
+    pool = ReadPool(keep_bytes=64 * MiB)
     for n in (1, 4095, 4096, 4097, 3 * MiB + 5):
         window, t = pool.take(n)
         assert window is t
@@ -22,7 +22,7 @@ def test_buffers_are_page_aligned_and_sized() -> None:
 
 
 def test_a_buffer_in_use_is_never_handed_out_again() -> None:
-    pool = HostPool(keep_bytes=64 * MiB)
+    pool = ReadPool(keep_bytes=64 * MiB)
     a = pool.take(MiB)[1]
     a.fill_(7)
     view = a[100:200].view(torch.int16)  # a view alone keeps the buffer busy
@@ -35,7 +35,7 @@ def test_a_buffer_in_use_is_never_handed_out_again() -> None:
 
 
 def test_a_freed_buffer_is_reused() -> None:
-    pool = HostPool(keep_bytes=64 * MiB)
+    pool = ReadPool(keep_bytes=64 * MiB)
     a = pool.take(MiB)[1]
     ptr = a.data_ptr()
     del a
@@ -45,7 +45,7 @@ def test_a_freed_buffer_is_reused() -> None:
 
 
 def test_free_buffers_beyond_keep_bytes_are_unmapped() -> None:
-    pool = HostPool(keep_bytes=4 * MiB)
+    pool = ReadPool(keep_bytes=4 * MiB)
     held = [pool.take(MiB) for _ in range(4)]
     del held
     pool.take(2 * MiB)  # another size: the four free 1 MiB buffers make room
@@ -57,7 +57,7 @@ def test_free_buffers_beyond_keep_bytes_are_unmapped() -> None:
 
 def test_data_at_a_lead_owns_exactly_its_bytes() -> None:
     """Note: [What get returns]: the data is a storage of its own bytes inside the window."""
-    pool = HostPool(keep_bytes=64 * MiB)
+    pool = ReadPool(keep_bytes=64 * MiB)
     n, lead = 3 * MiB + 5, 64
     window, data = pool.take(n, lead=lead, span=n + lead + 4000)
     assert window.data_ptr() % 4096 == 0 and window.numel() == n + lead + 4000
@@ -69,7 +69,7 @@ def test_data_at_a_lead_owns_exactly_its_bytes() -> None:
 
 
 def test_the_data_alone_keeps_the_buffer_busy() -> None:
-    pool = HostPool(keep_bytes=64 * MiB)
+    pool = ReadPool(keep_bytes=64 * MiB)
     window, data = pool.take(MiB, lead=128, span=MiB + 4096)
     del window
     gc.collect()
@@ -81,6 +81,6 @@ def test_the_data_alone_keeps_the_buffer_busy() -> None:
 
 
 def test_a_lead_that_does_not_fit_is_refused() -> None:
-    pool = HostPool(keep_bytes=64 * MiB)
+    pool = ReadPool(keep_bytes=64 * MiB)
     with pytest.raises(ValueError, match="do not fit"):
         pool.take(MiB, lead=64, span=MiB)

@@ -1,8 +1,8 @@
-"""Reusable fault injection for the disk tier: a wrapper engine and short-I/O patches.
+"""Fault injection at the disk engine boundary: a wrapping engine and short-I/O patches.
 
 Install the wrapper on a store before anything is spilled::
 
-    faulty = install(store)                    # a FaultyEngine around the store's own engine
+    faulty = install_faults(store)             # a FaultyEngine around the store's own engine
     faulty.fail_writes(errno.ENOSPC)           # every write fails with ENOSPC from now on
     faulty.fail_reads(errno.EIO, times=1)      # the next read fails once
 
@@ -16,11 +16,11 @@ import contextlib
 import errno as errno_mod
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
+from tierstore.testing._internals import internals
 from tierstore.tiers import DiskEngine
 
 if TYPE_CHECKING:
@@ -28,21 +28,7 @@ if TYPE_CHECKING:
 
     from tierstore import AsyncTieredStore, TieredStore
 
-__all__ = ["FaultyEngine", "backdoor_files", "install", "settled", "short_io", "wait_for"]
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
-    """Poll ``cond`` until true; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        time.sleep(0.005)
-
-
-def settled(store: TieredStore) -> bool:
-    """Nothing is moving between tiers."""
-    return store.stats().inflight_bytes == 0
+__all__ = ["FaultyEngine", "backdoor_files", "install_faults", "short_io"]
 
 
 class _Fault:
@@ -60,7 +46,7 @@ class _Fault:
         return OSError(self.err, os.strerror(self.err))
 
 
-class FaultyEngine(DiskEngine):
+class FaultyEngine(DiskEngine, register=False):
     """Wraps a real engine; injects errors, delays and gates on write and read.
 
     Write faults are raised before the inner write (so nothing is allocated, as the contract
@@ -68,6 +54,7 @@ class FaultyEngine(DiskEngine):
     """
 
     name = "faulty"
+    """Shown as ``wrapped_by`` in :meth:`describe`; a wrapper is not a disk format of its own."""
 
     def __init__(self, inner: DiskEngine) -> None:
         super().__init__(inner.directories, inner.config)
@@ -163,20 +150,20 @@ _Wrapper = TypeVar("_Wrapper", bound=FaultyEngine)
 
 
 @overload
-def install(store: TieredStore | AsyncTieredStore) -> FaultyEngine: ...
+def install_faults(store: TieredStore | AsyncTieredStore) -> FaultyEngine: ...
 @overload
-def install(store: TieredStore | AsyncTieredStore, kind: type[_Wrapper]) -> _Wrapper: ...
-def install(store: TieredStore | AsyncTieredStore, kind: type[FaultyEngine] = FaultyEngine) -> Any:
+def install_faults(store: TieredStore | AsyncTieredStore, kind: type[_Wrapper]) -> _Wrapper: ...
+def install_faults(
+    store: TieredStore | AsyncTieredStore, kind: type[FaultyEngine] = FaultyEngine
+) -> Any:
     """Wrap ``store``'s disk engine in a ``kind`` (a :class:`FaultyEngine` or a subclass of
-    it) before anything is spilled, and return the wrapper."""
-    box: list[FaultyEngine] = []
+    it) and return the wrapper.
 
-    def wrap(inner: DiskEngine) -> DiskEngine:
-        box.append(kind(inner))
-        return box[0]
-
-    store._core.wrap_engine(wrap)
-    return box[0]
+    Raises:
+        RuntimeError: the store has no disk tier, or already holds tensors on disk (install
+            the wrapper before anything is spilled).
+    """
+    return internals(store).wrap_engine(kind)
 
 
 def backdoor_files(store: TieredStore) -> list[Path]:
@@ -214,8 +201,8 @@ def short_io(max_bytes: int = 4096) -> Iterator[dict[str, int]]:
             bufs = [bufs[0][:max_bytes]]
         return real_preadv(fd, bufs, offset, *args)
 
-    os.pwrite, os.preadv = pwrite, preadv  # type: ignore[assignment]
+    os.pwrite, os.preadv = pwrite, preadv
     try:
         yield counts
     finally:
-        os.pwrite, os.preadv = real_pwrite, real_preadv  # type: ignore[assignment]
+        os.pwrite, os.preadv = real_pwrite, real_preadv

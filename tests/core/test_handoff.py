@@ -1,16 +1,18 @@
-"""The store hands disk work to its engine in batches (Note: [Batched hand-offs] in _core.py)."""
+"""The store hands disk work to its engine in batches (Note: [Batched hand-offs])."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from reliability.faults import FaultyEngine, install
 from tierstore import AsyncTieredStore, TensorHandle, Tier
+from tierstore.core._handoff import BATCH_BYTES, BATCH_MAX_BYTES, batches
+from tierstore.testing import FaultyEngine, install_faults, internals
 from tierstore.tiers import DiskEngine
 from tierstore.tiers.raw import RawEngine
 
@@ -65,7 +67,7 @@ async def _spill_on_raw(
     store: AsyncTieredStore, kind: type[_Recording], n: int
 ) -> tuple[_Recording, list[TensorHandle]]:
     """Wrap the raw engine in ``kind``, then spill ``n`` 16 KiB tensors and wait for the disk."""
-    engine = install(store, kind)
+    engine = install_faults(store, kind)
     handles = [await store.put(torch.randn(4 * KiB)) for _ in range(n)]
     await _until_on_disk(store, handles)
     return engine, handles
@@ -75,7 +77,7 @@ async def _release_all(store: AsyncTieredStore, handles: list[TensorHandle]) -> 
     """Release every handle in one turn, then wait until their spill space is freed."""
     for h in handles:
         await store.release(h)
-    while store._core._deleting:
+    while internals(store).deleting_bytes:
         await asyncio.sleep(0.001)
 
 
@@ -83,7 +85,7 @@ async def test_small_spills_and_fetches_are_handed_over_in_batches(tmp_path: Pat
     async with AsyncTieredStore(
         host_bytes=0, min_bytes=0, disk_dir=str(tmp_path), prefetch_bytes=64 * MiB
     ) as store:
-        engine = install(store, RecordingEngine)
+        engine = install_faults(store, RecordingEngine)
         tensors = [torch.randn(4 * KiB) for _ in range(300)]  # 16 KiB each
         handles = [await store.put(t) for t in tensors]  # all in one turn of the loop
         await _until_on_disk(store, handles)
@@ -101,7 +103,7 @@ async def test_small_spills_and_fetches_are_handed_over_in_batches(tmp_path: Pat
 
 async def test_big_entries_are_not_batched(tmp_path: Path) -> None:
     async with AsyncTieredStore(host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)) as store:
-        engine = install(store, RecordingEngine)
+        engine = install_faults(store, RecordingEngine)
         tensors = [torch.randn(MiB // 2) for _ in range(3)]  # 2 MiB each
         handles = [await store.put(t) for t in tensors]
         await _until_on_disk(store, handles)
@@ -136,7 +138,7 @@ async def test_a_get_that_waits_reads_alone_not_behind_a_batch_of_prefetches(
     async with AsyncTieredStore(
         host_bytes=0, min_bytes=0, disk_dir=str(tmp_path), prefetch_bytes=64 * MiB
     ) as store:
-        engine = install(store, HeldBatchReads)
+        engine = install_faults(store, HeldBatchReads)
         tensors = [torch.full((4 * KiB,), float(i)) for i in range(300)]
         handles = [await store.put(t) for t in tensors]
         await _until_on_disk(store, handles)
@@ -210,3 +212,19 @@ async def test_a_failed_delete_is_logged_and_the_others_still_free_their_space(
         for k in odd:
             assert f"tensor #{k} failed: [Errno 5] cannot free #{k}" in caplog.text
         assert inner.reusable_bytes() == free_before + 5 * 16 * KiB  # the even keys' extents
+
+
+@dataclass(frozen=True)
+class Queued:
+    key: int
+    nbytes: int
+
+
+def test_small_entries_share_batches_and_big_ones_go_alone() -> None:
+    small = BATCH_BYTES  # eight fill a batch
+    assert 8 * small == BATCH_MAX_BYTES
+    entries = [Queued(k, small) for k in (1, 2, 3)] + [Queued(4, small + 1)]
+    entries += [Queued(k, small) for k in range(5, 13)]
+    runs = [[e.key for e in b] for b in batches(entries)]  # type: ignore[arg-type]
+    assert runs == [[4], [1, 2, 3, 5, 6, 7, 8, 9], [10, 11, 12]]
+    assert list(batches([])) == []

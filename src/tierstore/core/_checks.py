@@ -1,0 +1,118 @@
+"""What the store accepts, and whether a tensor it holds changed after put.
+
+Note: [Writes after put]
+    On the CPU, and on a device until its copy is made, the store holds the caller's own
+    tensor rather than a copy. Writing it in place, or resizing its storage (as FSDP frees a
+    flat parameter with ``storage.resize_(0)``), after ``put`` breaks the contract, and the
+    store cannot give back what was put. It notices instead of returning other bytes, crashing,
+    or blaming the disk: the version counter recorded at put is compared whenever the store
+    copies, spills or returns the tensor, and the storage's size is checked first (the raw
+    engine checks it again on its I/O threads, right before touching the memory). The entry
+    then fails with an error saying so.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierstore._handle import TensorHandle
+from tierstore.errors import TensorModifiedError, UnsupportedTensorError
+from tierstore.tiers import _accelerator
+
+if TYPE_CHECKING:
+    from tierstore.core._entries import Entry
+
+__all__ = [
+    "PLAIN_SUBCLASSES",
+    "change_of",
+    "changed_error",
+    "check_handle",
+    "check_tensor",
+    "unsupported",
+    "version_of",
+]
+
+PLAIN_SUBCLASSES: set[type[torch.Tensor]] = set()
+"""Tensor subclasses stored as plain tensors besides ``nn.Parameter``: tests add the stream
+simulator's stand-in for device tensors here (``tierstore.testing.plain_tensor_type``)."""
+
+
+def unsupported(t: object) -> str | None:
+    """Why the store cannot hold ``t`` as plain strided bytes on this machine (with what to do
+    instead), or None when it can."""
+    if not isinstance(t, torch.Tensor):
+        return f"put() takes a torch.Tensor, got {type(t).__name__}"
+    kind = type(t)
+    if (
+        kind is not torch.Tensor
+        and not isinstance(t, torch.nn.Parameter)
+        and kind not in PLAIN_SUBCLASSES
+    ):
+        return (
+            f"tensor subclass {kind.__name__} is not supported; store its plain data "
+            "(e.g. t.as_subclass(torch.Tensor)) or keep it in memory"
+        )
+    if t.layout is not torch.strided:
+        return f"{t.layout} tensors are not supported; convert with .to_dense() or keep in memory"
+    if t.is_nested:
+        return "nested tensors are not supported; keep them in memory"
+    if t.is_quantized:
+        return "quantized tensors are not supported; store .int_repr() and the scales instead"
+    if t.device.type != "cpu" and not _accelerator.is_accelerator(t.device):
+        return (
+            f"tensors on device {str(t.device)!r} are not supported; tierstore moves CPU "
+            f"tensors and tensors on this machine's accelerator "
+            f"({_accelerator.accelerator_type() or 'none here'})"
+        )
+    return None
+
+
+def check_tensor(t: object) -> None:
+    """Refuse what :func:`unsupported` names.
+
+    Raises:
+        UnsupportedTensorError: ``t`` is not a plain strided tensor on the CPU or this
+            machine's accelerator.
+    """
+    why = unsupported(t)
+    if why is not None:
+        raise UnsupportedTensorError(why)
+
+
+def check_handle(handle: object) -> None:
+    """Raises:
+    TypeError: ``handle`` is not a :class:`~tierstore.TensorHandle`.
+    """
+    if not isinstance(handle, TensorHandle):
+        raise TypeError(f"expected a TensorHandle from put(), got {type(handle).__name__}")
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, or None for tensors that keep none (inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def change_of(e: Entry, t: torch.Tensor) -> str | None:
+    """How ``t`` changed since ``e`` was put, or None (Note: [Writes after put])."""
+    # The bytes of storage the tensor reaches (an expanded view reaches fewer than it shows).
+    reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    need = (t.storage_offset() + reach + 1) * t.element_size() if t.numel() else 0
+    have = t.untyped_storage().nbytes()
+    if have < need:
+        return f"its storage was resized to {have} bytes (it needs {need}), as resize_(0) does"
+    if e.version is not None and version_of(t) != e.version:
+        return f"it was written in place (version {e.version} at put, {version_of(t)} now)"
+    return None
+
+
+def changed_error(e: Entry, why: str) -> TensorModifiedError:
+    """The error every get of ``e`` raises once its tensor changed after put."""
+    return TensorModifiedError(
+        f"{e.describe()} changed after put(): {why}. The store no longer holds the bytes that "
+        "were put. Leave a tensor untouched until its handle is released, or put a clone()"
+    )

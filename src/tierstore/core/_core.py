@@ -1,0 +1,413 @@
+"""StoreCore: the store's operations, wiring its parts under one lock.
+
+Both public classes drive one :class:`StoreCore`. ``AsyncTieredStore`` binds it to the running
+event loop; ``TieredStore`` binds it to a loop it owns on a background thread.
+
+Note: [Threading model]
+    Entry state lives in this object's parts and changes only under ``self.lock``, a plain
+    ``threading.Lock`` held briefly and never across an ``await``. Every disk read or write,
+    and every device copy, runs as a task on the store's event loop; the tasks take the lock
+    only to record what they did. That lets ``put`` into a tier with room, and ``get`` of a
+    tensor that is already back, finish in the caller's own thread without a hop to the loop
+    (a hop costs more than a small put and get together; docs/architecture.md, "Threading
+    model"), while anything that must wait waits on a ``concurrent.futures.Future`` that any
+    thread or coroutine can block on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+from typing import TYPE_CHECKING, Literal
+
+from tierstore._state import TensorState, Tier
+from tierstore.core import _moves
+from tierstore.core._checks import check_handle, check_tensor
+from tierstore.core._counters import Counters, tier_stats
+from tierstore.core._disk_room import DiskRoom
+from tierstore.core._disk_tier import open_disk_tier
+from tierstore.core._entries import Entry, EntryTable
+from tierstore.core._handles import Handles
+from tierstore.core._handoff import HandOff
+from tierstore.core._prefetch import PrefetchWalk, newest_first_within
+from tierstore.core._reads import read_now
+from tierstore.core._save_semaphore import SaveSemaphore
+from tierstore.core._transfers import Transfers
+from tierstore.errors import StoreClosedError, TierFullError
+from tierstore.tiers._device import current_stream, hand_over, ready_event
+from tierstore.tiers._pinned import PinnedPool
+from tierstore.tiers._readpool import ReadPool
+
+if TYPE_CHECKING:
+    import asyncio
+    import concurrent.futures as cf
+    import os
+    from collections.abc import Callable, Iterable
+
+    import torch
+
+    from tierstore._handle import TensorHandle
+    from tierstore._stats import StoreStats
+    from tierstore.config import StoreConfig
+    from tierstore.tiers import DiskEngine
+
+__all__ = ["StoreCore"]
+
+log = logging.getLogger("tierstore")
+
+S = TensorState
+
+_store_tokens = itertools.count(1)
+
+
+class StoreCore:
+    """Thread-safe state of one store, bound to the event loop that runs its I/O.
+
+    Args:
+        config: the resolved configuration.
+        loop: the event loop that runs this store's I/O tasks.
+        loop_thread: the ident of the thread running ``loop``.
+
+    Raises:
+        ConfigError: a spill directory parent is missing, not a directory, or not writable.
+    """
+
+    def __init__(
+        self, config: StoreConfig, loop: asyncio.AbstractEventLoop, loop_thread: int
+    ) -> None:
+        self.config = config
+        self.loop = loop
+        self.loop_thread = loop_thread
+        self.lock = threading.Lock()
+        self.closed = False
+        self.warned_no_room = self.warned_copy = False
+        self.table = EntryTable(self._spill_freed)
+        self.handles = Handles(loop, next(_store_tokens), self._drain_dropped_soon)
+        self.counters = Counters()
+        self.semaphore = SaveSemaphore(config.max_inflight_bytes)
+        self.walk = PrefetchWalk()
+        self.transfers = Transfers(self)
+        self.handoff = HandOff(
+            loop,
+            loop_thread,
+            self.transfers.spill_many,
+            self.transfers.fetch_many,
+            self.transfers.delete_many,
+        )
+        self._keys = itertools.count(1)
+        # Read buffers are reused once their tensors die (Note: [Buffers come back when the
+        # last tensor goes]); keep about a prefetch window of them.
+        self.read_pool = ReadPool(keep_bytes=max(config.prefetch_bytes, 64 << 20))
+        # The host tier of accelerator tensors, pinned at its first use (Note: [The pinned
+        # pool]); a CPU-only process never allocates it.
+        self.pinned = PinnedPool(config.host_bytes)
+        self.disk_tier = open_disk_tier(config)
+        self.disk = DiskRoom(self.disk_tier.engine, self.disk_tier.capacity, config.disk_dirs)
+
+    @property
+    def engine(self) -> DiskEngine | None:
+        """The disk engine, or None when the disk tier is off."""
+        return self.disk.engine
+
+    @property
+    def spill_dirs(self) -> tuple[os.PathLike[str], ...]:
+        """The private spill directories of this store (empty without a disk tier)."""
+        return tuple(d.path for d in self.disk_tier.dirs)
+
+    def wrap_engine(self, wrap: Callable[[DiskEngine], DiskEngine]) -> DiskEngine:
+        """Replace the disk engine by ``wrap(engine)`` and return it (``tierstore.testing``).
+
+        Raises:
+            RuntimeError: the store has no disk tier, or already holds tensors on disk.
+        """
+        with self.lock:
+            if self.disk.engine is None or self.table.used[Tier.DISK]:
+                raise RuntimeError("wrap the engine before anything is spilled")
+            self.disk.engine = wrap(self.disk.engine)
+            return self.disk.engine
+
+    # ------------------------------------------------------------------ put
+
+    def put_now(self, t: torch.Tensor) -> tuple[TensorHandle, cf.Future[None] | None]:
+        """Store ``t``; return its handle and, under backpressure, a future to wait on.
+
+        Raises:
+            UnsupportedTensorError: ``t`` is not a plain strided CPU or accelerator tensor.
+            TierFullError: no tier has room for it.
+            StoreClosedError: the store is closed.
+        """
+        check_tensor(t)
+        ready = ready_event(t)
+        stream = current_stream(t.device)
+        with self.lock:
+            self._check_open()
+            self.drain_dropped()
+            nbytes = t.numel() * t.element_size()
+            movable = nbytes >= self.config.min_bytes and nbytes > 0
+            if movable and nbytes > self._free_room():
+                raise _moves.tier_full(self, nbytes, t.dtype)
+            e = Entry(next(self._keys), t, movable)
+            e.ready = ready
+            e.stream = stream
+            self.table.add(e, t.detach())
+            self.counters.puts += 1
+            self.counters.bytes_put += nbytes
+            handle = self.handles.new(e)
+            try:
+                self.cascade(new=e)
+            except TierFullError:
+                self.table.unput(e)
+                self.counters.puts -= 1
+                self.counters.bytes_put -= nbytes
+                handle._released = True
+                self.cascade()
+                del t  # Note: [A failed host copy keeps nothing]
+                raise
+            return handle, self.semaphore.waiter()
+
+    def _free_room(self) -> int:
+        cfg, table = self.config, self.table
+        dev = max(0, cfg.device_bytes - table.resting[Tier.DEVICE])
+        host = max(0, cfg.host_bytes - table.used[Tier.HOST] - table.host_reserved)
+        disk = self.disk.room(table.used[Tier.DISK])
+        return min(dev + host + disk, (1 << 63) - 1)
+
+    def cascade(self, new: Entry | None = None) -> None:
+        """Plan the cascade and carry it out (Note: [The cascade]).
+
+        Raises:
+            TierFullError: the compact host copy of ``new``, the entry ``put`` is adding, could
+                not be made (Note: [A failed host copy keeps nothing]).
+        """
+        if not self.closed:  # while close() drains the transfers in flight, start none
+            _moves.cascade(self, new)
+
+    # ------------------------------------------------------------------ get and prefetch
+
+    def get_now(self, handle: TensorHandle) -> torch.Tensor | cf.Future[torch.Tensor]:
+        """The tensor if it is ready now, else a future that resolves to it.
+
+        A caller that receives a future must call :meth:`consumed` after it resolves.
+
+        Raises:
+            TensorReleasedError: the handle was released or belongs to another store.
+            CorruptTensorError: the spilled copy was found corrupt earlier.
+            TensorModifiedError: the tensor was changed after put.
+            StoreClosedError: the store is closed.
+        """
+        with self.lock:
+            self._check_open()
+            self.drain_dropped()
+            e = self.handles.lookup(self.table.entries, handle)
+            self.walk.cursor = e.key
+            result = read_now(self, e)
+            self.plan_prefetch()
+            return result
+
+    def consumed(self, handle: TensorHandle, t: torch.Tensor) -> None:
+        """Record that a get which waited on a future has taken ``t`` (in the getter's thread)."""
+        hand_over(t)  # the caller's stream waits for the copy (no-op on the CPU)
+        with self.lock:
+            self.counters.gets += 1
+            e = self.table.entries.get(handle.key)
+            if e is not None and e.state is S.FETCHED and e.fetched is t:
+                self.consume(e)
+            self.plan_prefetch()
+
+    def consume(self, e: Entry) -> None:
+        """The caller holds the fetched copy now: the entry returns to its home tier.
+
+        Keeping the fetched copy would pin it on the device after backward is done with it
+        (a ``retain_graph`` run would bring everything back).
+        """
+        self.table.set_copy(e, "fetched", None)
+        e.fetch_future = None
+        self.table.set_state(e, e.home())
+
+    def start_fetch(self, e: Entry, fut: cf.Future[torch.Tensor] | None = None) -> None:
+        """Begin bringing ``e`` back: for the get waiting on ``fut``, or as a prefetch (None).
+
+        A prefetch makes no future: most are consumed after they finish, and a future (with
+        its condition and lock) per prefetched tensor was a large part of the Python a small
+        put and get cost. The first get that finds the fetch still running makes one.
+        """
+        self.table.set_state(e, S.FETCHING)
+        e.fetch_future = fut
+        e.prefetched = fut is None
+        self.handoff.fetch(e)
+
+    def prefetch_now(self, handles: Iterable[TensorHandle]) -> None:
+        """Start bringing these entries back, newest first, within the prefetch window."""
+        with self.lock:
+            self._check_open()
+            self.drain_dropped()
+            wanted = [self.handles.lookup(self.table.entries, h) for h in handles]
+            budget = self.config.prefetch_bytes - self.table.window
+            sizes = ((e.key, e.nbytes) for e in wanted if e.needs_fetch())
+            for key in newest_first_within(sizes, budget):
+                self.start_fetch(self.table.entries[key])
+
+    def plan_prefetch(self) -> None:
+        """Bring back the entries just older than the cursor, newest first (Note: [Resumable
+        prefetch walk])."""
+        if self.closed:
+            return
+        entries = self.table.entries
+        budget = self.config.prefetch_bytes - self.table.window
+        for key in self.walk.plan(self.table.live_keys, self._fetch_size, budget):
+            self.start_fetch(entries[key])
+
+    def _fetch_size(self, key: int) -> int | None:
+        e = self.table.entries[key]
+        return e.nbytes if e.needs_fetch() else None
+
+    # ------------------------------------------------------------------ release
+
+    def release(self, handle: TensorHandle) -> None:
+        """Release the handle's entry now (idempotent for handles of this store).
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`TensorHandle`.
+            TensorReleasedError: the handle belongs to another store.
+        """
+        check_handle(handle)
+        with self.lock:
+            self.drain_dropped()
+            if handle._released:
+                return
+            e = self.handles.lookup(self.table.entries, handle)
+            handle._released = True
+            self._release(e)
+
+    def _release(self, e: Entry) -> None:
+        self.counters.releases += 1
+        if self.table.release(e):
+            self.plan_prefetch()
+
+    def drain_dropped(self) -> None:
+        """Release the entries of handles dropped since the last call (the lock held)."""
+        dropped, entries = self.handles.dropped, self.table.entries
+        while dropped:
+            e = entries.get(dropped.popleft())
+            if e is not None:
+                self._release(e)
+
+    def _drain_dropped_soon(self) -> None:
+        with self.lock:
+            self.drain_dropped()
+
+    def _spill_freed(self, key: int, footprint: int) -> None:
+        if not self.closed:  # at close the engine deletes every file at once
+            self.disk.deleting += footprint
+            self.handoff.delete(key, footprint)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StoreClosedError("this tierstore store is closed; create a new TieredStore")
+
+    # ------------------------------------------------------------------ queries
+
+    def entry_of(self, handle: TensorHandle) -> Entry:
+        """The live entry of ``handle`` (``tierstore.testing``).
+
+        Raises:
+            TensorReleasedError: released, or another store's handle.
+        """
+        with self.lock:
+            return self.handles.lookup(self.table.entries, handle)
+
+    def state_of(self, handle: TensorHandle) -> TensorState:
+        """The entry's state (RELEASED once released).
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`TensorHandle`.
+            TensorReleasedError: another store's handle.
+        """
+        check_handle(handle)
+        with self.lock:
+            self.drain_dropped()
+            if handle._released and handle._owner == self.handles.token:
+                return S.RELEASED
+            return self.handles.lookup(self.table.entries, handle).state
+
+    def tier_of(self, handle: TensorHandle) -> Tier:
+        """Where the entry's bytes are: the tier a get would read them from.
+
+        Raises:
+            TensorReleasedError: released, or another store's handle.
+            CorruptTensorError: the entry failed.
+        """
+        with self.lock:
+            self.drain_dropped()
+            e = self.handles.lookup(self.table.entries, handle)
+            if e.state is S.FAILED:
+                assert e.error is not None
+                raise e.error
+            if e.fetched is not None or e.data is not None:
+                return Tier.DEVICE
+            if e.host is not None:
+                return Tier.HOST
+            return Tier.DISK
+
+    def stats(self) -> StoreStats:
+        """A frozen snapshot of the store."""
+        with self.lock:
+            self.drain_dropped()
+            return self._snapshot_locked()
+
+    def _snapshot_locked(self) -> StoreStats:
+        capacities = {
+            Tier.DEVICE: self.config.device_bytes,
+            Tier.HOST: self.config.host_bytes,
+            Tier.DISK: self.disk.capacity,
+        }
+        return self.counters.snapshot(
+            tier_stats(self.table, capacities),
+            live_entries=len(self.table.entries),
+            inflight_bytes=self.semaphore.inflight,
+            disk_available=self.disk.recheck(),
+        )
+
+    def waiting(self, kind: Literal["get", "put"]) -> contextlib.AbstractContextManager[None]:
+        """Count the time the block takes as a ``get`` or ``put`` waiting (also when it
+        raises)."""
+        return self.counters.waiting(kind, self.lock)
+
+    def note_skipped(self, reason: str, nbytes: int) -> None:
+        """Count a tensor an adapter chose not to store, under ``reason``."""
+        with self.lock:
+            self.counters.skipped[reason] += 1
+            self.counters.skipped_bytes[reason] += nbytes
+
+    # ------------------------------------------------------------------ close
+
+    def begin_close(self) -> bool:
+        """Refuse new work; return False if the store was already closed."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            self.semaphore.close()
+            return True
+
+    async def finish_close(self, timeout: float) -> None:
+        """Let in-flight I/O end (cancel it after ``timeout`` seconds), then delete everything."""
+        await self.handoff.finish(timeout)
+        with self.lock:
+            summary = self._snapshot_locked().summary()
+            self.table.drop_all()
+        try:
+            if self.disk.engine is not None:
+                await self.disk.engine.close()
+        finally:
+            self.disk_tier.remove()
+        log.info("%s", summary)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: drop everything without touching the parent's files or locks."""
+        self.closed = True
+        self.table.entries.clear()
+        self.disk_tier.forget()
+        self.disk.engine = None

@@ -1,0 +1,102 @@
+"""The store's side of its handles: a weak reference each, whose death queues a release.
+
+Note: [Release from a finalizer]
+    Handles are released by their weak reference's callback when they are garbage-collected,
+    which can happen in any thread, even one that holds the store's lock at that moment. The
+    callback therefore only appends the key to a deque (atomic) and asks the loop to drain it
+    soon; every public operation drains it first too, so a caller never sees a released entry
+    counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import weakref
+from typing import TYPE_CHECKING
+
+from tierstore._handle import TensorHandle
+from tierstore.core._checks import check_handle
+from tierstore.errors import TensorReleasedError
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable
+
+    from tierstore.core._entries import Entry
+
+__all__ = ["DRAIN_DELAY_SECONDS", "HandleRef", "Handles"]
+
+DRAIN_DELAY_SECONDS = 0.005
+"""Dropped handles are released in batches: waking the loop thread for each one costs a GIL
+hand-off. Every store call drains the batch first anyway."""
+
+
+class HandleRef(weakref.ref[TensorHandle]):
+    """The store's weak reference to a handle; its callback queues the entry's release."""
+
+    __slots__ = ("key",)
+    key: int
+
+
+class Handles:
+    """The handles of one store: made at put, looked up at every call, released when dropped.
+
+    Args:
+        loop: the store's event loop, which drains dropped handles soon.
+        token: the store's number; a handle of another store (or of the parent before a
+            fork) carries another.
+        drain_soon: takes the store's lock and releases the dropped handles' entries.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, token: int, drain_soon: Callable[[], None]
+    ) -> None:
+        self._loop = loop
+        self.token = token
+        self._drain_soon = drain_soon
+        self.dropped: collections.deque[int] = collections.deque()
+        """Keys of handles that died and whose entries are not released yet."""
+        self._scheduled = False
+        # One bound method for every handle's weakref, rather than a new one kept per handle.
+        self._dead = self._on_dead
+
+    def new(self, e: Entry) -> TensorHandle:
+        """The handle of ``e``, newly put; ``e`` keeps only a weak reference to it."""
+        handle = TensorHandle(e.key, e.shape, e.dtype, e.device, e.nbytes, self.token)
+        ref = HandleRef(handle, self._dead)
+        ref.key = e.key
+        e.handle_ref = ref
+        return handle
+
+    def lookup(self, entries: dict[int, Entry], handle: TensorHandle) -> Entry:
+        """The live entry of ``handle``.
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`~tierstore.TensorHandle`.
+            TensorReleasedError: released, or another store's handle.
+        """
+        check_handle(handle)
+        e = entries.get(handle.key)
+        if e is None or e.handle_ref is None or e.handle_ref() is not handle:
+            if handle._owner != self.token:
+                why = "is not in this store (another store's handle, or one made before a fork)"
+            else:
+                why = "was released"
+            raise TensorReleasedError(f"{handle!r} {why}")
+        return e
+
+    def _on_dead(self, ref: HandleRef) -> None:
+        """Weakref callback of a handle (Note: [Release from a finalizer])."""
+        self.dropped.append(ref.key)
+        if not self._scheduled:
+            self._scheduled = True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: close() drained
+                self._loop.call_soon_threadsafe(
+                    self._loop.call_later, DRAIN_DELAY_SECONDS, self._drain_scheduled
+                )
+
+    def _drain_scheduled(self) -> None:
+        # Clear the flag before draining, so a handle dropped meanwhile schedules another.
+        self._scheduled = False
+        self._drain_soon()

@@ -1,0 +1,165 @@
+"""Carrying out the cascade's plans under the store's lock: relabels on the CPU, copies to host
+memory and spills begun, and entries kept where they are for want of room."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from tierstore._state import TensorState, Tier
+from tierstore.core._cascade import Limits, Move, plan_device, plan_spills
+from tierstore.core._checks import version_of
+from tierstore.errors import TierFullError
+from tierstore.tiers._device import compact
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierstore.core._core import StoreCore
+    from tierstore.core._entries import Entry
+
+__all__ = ["cascade", "tier_full"]
+
+log = logging.getLogger("tierstore")
+
+S = TensorState
+
+
+def cascade(core: StoreCore, new: Entry | None) -> None:
+    """Move the oldest entries of over-full tiers down (Note: [The cascade]).
+
+    Args:
+        core: the store, its lock held.
+        new: the entry ``put`` is adding now, if any.
+
+    Raises:
+        TierFullError: the compact host copy of ``new`` could not be made (Note: [A failed
+            host copy keeps nothing]); the caller undoes its put.
+    """
+    cfg, table, semaphore = core.config, core.table, core.semaphore
+    limits = Limits(cfg.device_bytes, cfg.host_bytes, cfg.max_inflight_bytes)
+    down = plan_device(
+        limits,
+        table.resting[Tier.DEVICE],
+        semaphore.inflight,
+        table.resting_oldest_first(Tier.DEVICE),
+    )
+    for step in down.steps:
+        e = step.entry
+        if step.move is Move.COPY:
+            table.set_state(e, S.MOVING_TO_HOST)
+            semaphore.take(e.nbytes)
+            table.host_reserved += e.nbytes
+            core.handoff.spawn(core.transfers.copy_to_host, e)
+        elif not _relabel(core, e, new):
+            break
+    blocked = down.blocked
+    # Copies still on their way count: they land in the host tier.
+    host_load = table.resting[Tier.HOST] + table.host_reserved
+    if host_load > cfg.host_bytes and core.disk.recheck():
+        spills = plan_spills(
+            limits,
+            host_load,
+            semaphore.inflight,
+            table.used[Tier.DISK],
+            table.resting_oldest_first(Tier.HOST),
+            core.disk,
+        )
+        for step in spills.steps:
+            e = step.entry
+            table.set_state(e, S.MOVING_TO_DISK)
+            table.set_disk(e, step.footprint)
+            semaphore.take(e.nbytes)
+            core.handoff.spill(e)
+        if spills.kept is not None:
+            _note_no_room(core, spills.kept)
+        blocked = blocked or spills.blocked
+    semaphore.settle(blocked)
+
+
+def tier_full(core: StoreCore, nbytes: int, dtype: torch.dtype) -> TierFullError:
+    """The error of a put no tier has room for: what each tier holds, and what to do."""
+    used, cfg = core.table.used, core.config
+    off, advice = core.disk.advice()
+    return TierFullError(
+        f"no tier has room for a {nbytes}-byte {str(dtype).removeprefix('torch.')} "
+        f"tensor: device {used[Tier.DEVICE]}/{cfg.device_bytes}, "
+        f"host {used[Tier.HOST]}/{cfg.host_bytes}, "
+        f"disk {used[Tier.DISK]}/{core.disk.capacity} bytes used{off}; {advice}"
+    )
+
+
+def _relabel(core: StoreCore, e: Entry, new: Entry | None) -> bool:
+    """Make CPU entry ``e`` a host entry: the host tier holds the tensor itself, no I/O.
+
+    A view becomes a compact copy first. Returns False when that copy could not be made: the
+    cascade stops there for now.
+    """
+    assert e.data is not None
+    if not core.table.check_unchanged(e, e.data):
+        return True  # it failed (Note: [Writes after put]); the cascade goes on
+    try:
+        host = compact(e.data)
+    except (RuntimeError, MemoryError) as exc:
+        _host_copy_failed(core, e, exc, new)
+        return False
+    if host is not e.data:
+        e.version = version_of(host)  # a copy of the store's own
+    table = core.table
+    table.set_state(e, S.MOVING_TO_HOST)
+    table.set_copy(e, "host", host)
+    table.set_copy(e, "data", None)
+    table.set_state(e, S.HOST)
+    return True
+
+
+def _host_copy_failed(core: StoreCore, e: Entry, exc: BaseException, new: Entry | None) -> None:
+    """The compact host copy of CPU entry ``e`` could not be made; it stays on DEVICE.
+
+    Note: [A failed host copy keeps nothing]
+        On the CPU the host tier holds the tensor itself, but a view is copied out of its
+        base first, so that the store does not keep a larger storage alive (releasing a
+        tensor must free its storage, views of a larger base included). That copy can fail
+        for want of memory (a view of a 1 GiB base under a tight ``RLIMIT_AS``). When it is
+        the tensor being put, ``put`` raises ``TierFullError`` and undoes itself: no entry, no
+        counted bytes. Nor does the error pin the view: a notebook keeps the last exception,
+        and with it every frame of its traceback, so the frames it passes drop the tensor
+        before it leaves, and the allocator's own traceback is cut from its cause. The
+        adapters then keep the tensor where it is, as for any full store. An older entry whose
+        copy fails stays in the device tier, holding the caller's view, and is tried again at
+        the next put; the cascade stops there for now.
+
+    Raises:
+        TierFullError: ``e`` is ``new``.
+    """
+    if e is new:
+        # The allocator's traceback holds the frame that held the view.
+        exc.__traceback__ = None
+        raise TierFullError(
+            f"no room in host memory for a {e.nbytes}-byte "
+            f"{str(e.dtype).removeprefix('torch.')} view: the store keeps a view as a "
+            "compact copy, so as not to keep the larger storage behind it alive, and "
+            f"allocating that copy failed ({exc}). Nothing was stored; free host memory, "
+            "or keep this tensor yourself"
+        ) from exc
+    if not core.warned_copy:
+        core.warned_copy = True
+        log.warning(
+            "tierstore: copying %s into host memory failed (%s); it stays where it is and "
+            "is tried again at the next put (warned once)",
+            e.describe(),
+            exc,
+        )
+
+
+def _note_no_room(core: StoreCore, e: Entry) -> None:
+    core.counters.kept_no_room += 1
+    if not core.warned_no_room:
+        core.warned_no_room = True
+        log.warning(
+            "tierstore: the disk tier is full (%d of %d bytes); %s stays in host memory. "
+            "Raise TIERSTORE_DISK_BYTES or free disk space. (warned once)",
+            core.table.used[Tier.DISK],
+            core.disk.capacity,
+            e.describe(),
+        )

@@ -1,0 +1,97 @@
+"""The LIFO prefetch policy: which entries to bring back next, within the window.
+
+Backward consumes newest first, so every get moves a cursor to its entry and the entries just
+older than it are brought back (disk -> host -> device) until ``prefetch_bytes`` of fetched
+and fetching copies exist.
+
+Note: [Resumable prefetch walk]
+    Backward moves the cursor down one entry at a time, and everything between the cursor and
+    where the last walk stopped is already fetched or fetching. Walking from the cursor each
+    time would make a backward sweep quadratic in the number of entries (thousands of small
+    tensors in one window: seconds of pure bookkeeping), so the walk resumes where it stopped,
+    and restarts at the cursor only when the cursor moves up (a new backward pass).
+
+    One walk also starts at most ``STEP`` fetches: planning a whole window of small tensors at
+    once held the store's lock so long that the first ``get`` of backward, whose own read
+    waited behind it, was several times slower (docs/architecture.md, "LIFO prefetch"). The
+    walk goes on when a fetch ends and at every ``get``, so the window still fills while the
+    caller waits; 256 fetches are 16 MiB of 64 KiB tensors, and a whole window of big ones.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+
+__all__ = ["SCAN_LIMIT", "STEP", "PrefetchWalk", "newest_first_within"]
+
+SCAN_LIMIT = 4096
+"""A walk looks at most this many older entries, so one get never walks a huge table."""
+STEP = 256
+"""One walk starts at most this many fetches (Note: [Resumable prefetch walk])."""
+
+
+class PrefetchWalk:
+    """The cursor (the entry of the last get) and where the last walk below it stopped."""
+
+    def __init__(self) -> None:
+        self.cursor: int | None = None
+        """The key of the last entry a get asked for."""
+        self._walked_from: int | None = None
+        self._resume_at: int | None = None
+        self.steps = 0
+        """Entries looked at by every walk so far (a backward sweep stays linear)."""
+
+    def plan(
+        self, live_keys: Sequence[int], fetch_size: Callable[[int], int | None], budget: int
+    ) -> list[int]:
+        """The keys to fetch now, newest first.
+
+        Args:
+            live_keys: every live key, ascending.
+            fetch_size: an entry's bytes if it needs fetching (on disk, or an accelerator
+                tensor in host memory), else None.
+            budget: bytes the window has left.
+        """
+        if self.cursor is None or budget <= 0:
+            return []
+        start = self.cursor
+        if (
+            self._walked_from is not None
+            and self._resume_at is not None
+            and self.cursor <= self._walked_from
+        ):
+            start = min(start, self._resume_at)
+        i = bisect.bisect_left(live_keys, start) - 1
+        scanned = 0
+        chosen: list[int] = []
+        while i >= 0 and scanned < SCAN_LIMIT:
+            key = live_keys[i]
+            nbytes = fetch_size(key)
+            if nbytes is not None:
+                if nbytes > budget or len(chosen) == STEP:
+                    break
+                budget -= nbytes
+                chosen.append(key)
+            i -= 1
+            scanned += 1
+        self.steps += scanned
+        self._walked_from = self.cursor
+        # Resume at the entry that did not fit (or below the last one looked at).
+        self._resume_at = live_keys[i] + 1 if i >= 0 else 0
+        return chosen
+
+
+def newest_first_within(sizes: Iterable[tuple[int, int]], budget: int) -> list[int]:
+    """Of ``(key, nbytes)`` pairs a caller asked to prefetch, the keys that fit in ``budget``
+    bytes, newest first; the first that does not fit ends the list."""
+    chosen: list[int] = []
+    for key, nbytes in sorted(dict(sizes).items(), reverse=True):
+        if nbytes > budget:
+            break
+        budget -= nbytes
+        chosen.append(key)
+    return chosen

@@ -1,0 +1,300 @@
+"""The I/O tasks on the store's loop: copies to host memory, spills, fetches, deletes, and what
+each outcome does to its entries.
+
+A task takes the store's lock only to record what its I/O did; the I/O itself runs outside
+it, on the engine's threads or a device's side streams (Note: [Threading model]).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierstore._malloc import trim_soon
+from tierstore._state import TERMINAL, TensorState
+from tierstore.core._checks import changed_error
+from tierstore.errors import CorruptTensorError, SpillIOError, TensorModifiedError
+from tierstore.errors import TensorReleasedError as Released
+from tierstore.tiers import WriteRequest
+from tierstore.tiers._device import (
+    as_bytes,
+    copy_to_host,
+    current_stream,
+    discard,
+    from_bytes,
+    upload,
+)
+
+if TYPE_CHECKING:
+    from tierstore.core._core import StoreCore
+    from tierstore.core._entries import Entry
+
+__all__ = ["POOLED_READ_BYTES", "Transfers"]
+
+log = logging.getLogger("tierstore")
+
+S = TensorState
+
+POOLED_READ_BYTES = 1 << 20
+"""Reads smaller than this use plain allocations: glibc reuses small blocks cheaply, and a pool
+of thousands of small maps would cost more to search than it saves."""
+
+
+class Transfers:
+    """The coroutines that move bytes for one store, and the bookkeeping of their outcomes."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+
+    # ------------------------------------------------------------------ down
+
+    async def copy_to_host(self, e: Entry) -> None:
+        """Copy an accelerator entry into host memory (Note: [Copy ordering on an
+        accelerator])."""
+        core = self._core
+        assert e.data is not None
+        t0 = time.perf_counter()
+        try:
+            host = await copy_to_host(e.data, e.ready, core.pinned)
+        except Exception as exc:
+            with core.lock:
+                core.semaphore.give(e.nbytes)
+                core.table.host_reserved -= e.nbytes
+                log.error("tierstore: copying %s to host failed: %s", e.describe(), exc)
+                if e.state in TERMINAL:
+                    core.table.free_copies(e)
+                else:
+                    core.table.set_state(e, S.DEVICE)
+                core.cascade()
+            return
+        with core.lock:
+            core.semaphore.give(e.nbytes)
+            core.table.host_reserved -= e.nbytes
+            core.counters.bytes_to_host += e.nbytes
+            core.counters.seconds_to_host += time.perf_counter() - t0
+            if e.state in TERMINAL:
+                core.table.free_copies(e)
+            elif core.table.check_unchanged(e, e.data):
+                core.table.set_copy(e, "host", host)
+                core.table.set_copy(e, "data", None)
+                e.ready = None
+                e.version = None  # the host copy is the store's own
+                core.table.set_state(e, S.HOST)
+            core.cascade()
+
+    async def spill_many(self, entries: list[Entry]) -> None:
+        """Write entries to disk, in one engine call (Note: [Batched hand-offs])."""
+        core = self._core
+        assert core.engine is not None
+        requests = []
+        for e in entries:
+            assert e.host is not None
+            requests.append(WriteRequest(e.key, as_bytes(e.host), e.dtype, e.shape))
+        t0 = time.perf_counter()
+        outcomes = await core.engine.write_many(requests)
+        with core.lock:
+            core.counters.seconds_to_disk += time.perf_counter() - t0
+            for e, exc in zip(entries, outcomes, strict=True):
+                self._spill_ended(e, exc)
+            core.cascade()
+            core.plan_prefetch()
+        trim_soon()  # Note: [Returning host memory]
+
+    def _spill_ended(self, e: Entry, exc: BaseException | None) -> None:
+        core = self._core
+        core.semaphore.give(e.nbytes)
+        changed = exc if isinstance(exc, TensorModifiedError) else None
+        if exc is None:
+            core.counters.bytes_to_disk += e.nbytes
+        else:
+            footprint = e.disk
+            core.table.set_disk(e, 0)  # the engine keeps nothing of a failed write
+            if changed is None:
+                core.counters.write_errors += 1
+                core.disk.write_failed(e.describe(), footprint, exc)
+        if e.state in TERMINAL:
+            core.table.free_copies(e)  # released, or failed, while the write ran
+        elif changed is not None:
+            core.table.fail(e, changed_error(e, str(changed)))
+        elif e.host is not None and not core.table.check_unchanged(e, e.host):
+            pass  # the bytes written are not those put (Note: [Writes after put])
+        elif exc is not None:
+            core.table.set_state(e, S.HOST)
+        else:
+            core.table.set_copy(e, "host", None)
+            core.table.set_state(e, S.DISK)
+
+    async def delete_many(self, deletes: list[tuple[int, int]]) -> None:
+        """Free the spill space of released entries: ``(key, footprint)`` pairs, one call."""
+        core = self._core
+        outcomes: list[BaseException | None] = []
+        try:
+            if core.engine is not None:
+                outcomes = await core.engine.delete_many([key for key, _ in deletes])
+        except Exception as exc:  # the file goes at close anyway
+            outcomes = [exc] * len(deletes)
+        finally:
+            with core.lock:
+                core.disk.deleting -= sum(footprint for _, footprint in deletes)
+        for (key, _), err in zip(deletes, outcomes, strict=False):
+            if err is not None:
+                log.warning("tierstore: freeing spill space of tensor #%d failed: %s", key, err)
+
+    # ------------------------------------------------------------------ up
+
+    async def fetch_many(self, entries: list[Entry]) -> None:
+        """Bring entries back, the disk reads in one engine call (Note: [Batched hand-offs])."""
+        core = self._core
+        with core.lock:
+            live = []
+            for e in entries:
+                if _released(e):
+                    # Released before the read began: skip it (a prefetch nobody will consume).
+                    fut = e.fetch_future
+                    core.table.free_copies(e)
+                    if fut is not None and not fut.done():
+                        fut.set_exception(Released(f"{e.describe()} was released"))
+                else:
+                    live.append(e)
+            if len(live) < len(entries):
+                core.plan_prefetch()
+        if not live:
+            return
+        disk = [e for e in live if e.disk]
+        targets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        read_error: dict[int, BaseException | None] = {}
+        for e in disk:
+            try:
+                targets[e.key] = self._read_buffer(e)
+            except Exception as exc:
+                # No memory for the buffer: this read fails and the entry stays on disk, as
+                # after a read error; a get waiting on it raises instead of waiting forever.
+                read_error[e.key] = exc
+        reading = [e for e in disk if e.key in targets]
+        t0 = time.perf_counter()
+        if reading:
+            assert core.engine is not None
+            read_errors = await core.engine.read_many([(e.key, targets[e.key][0]) for e in reading])
+            read_error.update({e.key: err for e, err in zip(reading, read_errors, strict=True)})
+        t1 = time.perf_counter()
+        buffers = {key: data for key, (_, data) in targets.items()}
+        del targets  # the read windows: only ``data`` may keep a pooled buffer busy now
+        results: list[tuple[Entry, torch.Tensor | Exception]] = []
+        for e in live:
+            err = read_error.get(e.key)
+            if err is not None and not isinstance(err, Exception):
+                raise err  # cancelled at close
+            if err is not None:
+                results.append((e, err))
+                continue
+            try:
+                buf = buffers.get(e.key)
+                src = e.host if buf is None else from_bytes(buf, e.dtype, e.shape)
+                assert src is not None
+                if e.on_cpu:
+                    results.append((e, src))
+                else:
+                    # Allocated on the stream that will consume it, most likely; a getter on
+                    # another stream is ordered by hand_over.
+                    consumer = e.stream if e.stream is not None else current_stream(e.device)
+                    results.append((e, upload(src, e.device, consumer, core.pinned)))
+            except Exception as exc:
+                results.append((e, exc))
+        t2 = time.perf_counter()
+        ready: list[tuple[cf.Future[torch.Tensor], torch.Tensor]] = []
+        with core.lock:
+            st = core.counters
+            if disk:
+                st.bytes_from_disk += sum(e.nbytes for e in disk if read_error[e.key] is None)
+                st.seconds_from_disk += t1 - t0
+            for e, out in results:
+                fut = e.fetch_future
+                if isinstance(out, Exception):
+                    self._fetch_failed(e, fut, out)
+                    continue
+                if not e.on_cpu:
+                    st.bytes_to_device += e.nbytes
+                if e.state is S.RELEASED:
+                    discard(out)
+                    core.table.free_copies(e)
+                    if fut is not None:
+                        fut.set_exception(Released(f"{e.describe()} was released"))
+                    continue
+                core.table.set_copy(e, "fetched", out)
+                core.table.set_state(e, S.FETCHED)
+                if fut is not None:
+                    ready.append((fut, out))
+            if any(not e.on_cpu for e in live):
+                st.seconds_to_device += t2 - t1
+            core.plan_prefetch()  # keep the window full while the caller waits
+        for fut, out in ready:
+            if not fut.done():
+                fut.set_result(out)
+
+    def _read_buffer(self, e: Entry) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, data)``: what a disk read of ``e`` fills, and the entry's bytes in it.
+
+        Big CPU tensors read into a pooled buffer spanning the pages the engine's layout asks
+        for (``read_window``), so the read goes straight into it; ``data`` is then a tensor
+        whose storage is exactly the entry's bytes inside that buffer (Note: [What get
+        returns]). Accelerator tensors read the same way into the pinned pool (Note: [The
+        pinned pool]), whose buffer the copy to the device holds until it ends; a full pool
+        gives pageable memory. Small CPU tensors read into a plain allocation, where ``out``
+        and ``data`` are the same tensor.
+        """
+        core = self._core
+        assert core.engine is not None
+        if not e.on_cpu or e.nbytes >= POOLED_READ_BYTES:
+            lead, span = core.engine.read_window(e.key, e.nbytes)
+            pool = core.read_pool if e.on_cpu else core.pinned
+            got = pool.take(e.nbytes, lead=lead, span=span)
+            if got is not None:
+                return got
+        buf = torch.empty(e.nbytes, dtype=torch.uint8)
+        return buf, buf
+
+    def _fetch_failed(self, e: Entry, fut: cf.Future[torch.Tensor] | None, exc: Exception) -> None:
+        """Record a failed fetch: FAILED if the copy is corrupt, else back to its home tier.
+
+        Note: [A failed prefetch is retried once]
+            A get may find its entry already being fetched by a prefetch that began before the
+            disk recovered. When such a prefetch fails while a get waits on it, its future is
+            handed to one fresh read, as if the get had started it; only that read's failure
+            reaches the get. A failed read the get began itself raises at once, and a corrupt
+            copy is final.
+        """
+        core = self._core
+        core.counters.read_errors += 1
+        if e.state is S.RELEASED:
+            core.table.free_copies(e)
+            if fut is not None:
+                fut.set_exception(Released(f"{e.describe()} was released"))
+            return
+        if isinstance(exc, CorruptTensorError):
+            err: BaseException = CorruptTensorError(
+                f"{e.describe()}: spilled copy is corrupt: {exc}"
+            )
+            core.table.set_state(e, S.FAILED)
+            e.error = err
+            core.table.free_copies(e)
+            log.error("tierstore: %s", err)
+        else:
+            core.table.set_state(e, e.home())
+            if e.prefetched and fut is not None:
+                core.start_fetch(e, fut)
+                return
+            err = SpillIOError(f"reading {e.describe()} back from disk failed: {exc}")
+            err.__cause__ = exc
+        e.fetch_future = None
+        if fut is not None and not fut.done():
+            fut.set_exception(err)
+
+
+def _released(e: Entry) -> bool:
+    # A function, not an inline test: the state changes across the task's awaits, and an
+    # inline test would let the type checker narrow it for the rest of the coroutine.
+    return e.state is S.RELEASED

@@ -1,0 +1,132 @@
+"""Note: [Disk full until space returns], with a fake clock and a fake filesystem."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+
+import pytest
+
+from tierstore.core import _disk_room as disk_room
+from tierstore.core._disk_room import DiskRoom, Verdict
+
+MiB = 1 << 20
+
+
+class Engine:
+    """The two things the room asks an engine."""
+
+    reusable = 0
+
+    def footprint(self, nbytes: int) -> int:
+        return -(-nbytes // 4096) * 4096
+
+    def reusable_bytes(self) -> int:
+        return self.reusable
+
+
+class World:
+    """A clock and a filesystem whose free space a test sets."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.free = 50 * MiB
+        self.reads = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def read_free(self, dirs: object) -> int:
+        self.reads += 1
+        return self.free
+
+
+@pytest.fixture
+def world() -> World:
+    return World()
+
+
+def _room(world: World, capacity: int = 40 * MiB) -> DiskRoom:
+    return DiskRoom(
+        Engine(),  # type: ignore[arg-type]
+        capacity,
+        (Path("/nonexistent"),),
+        clock=world.clock,
+        read_free=world.read_free,
+    )
+
+
+def test_no_engine_means_no_disk_room(world: World) -> None:
+    room = DiskRoom(None, 0, (), clock=world.clock, read_free=world.read_free)
+    assert not room.recheck() and room.room(0) == 0
+    assert room.advice() == ("", "raise TIERSTORE_HOST_BYTES, or release tensors")
+
+
+def test_capacity_and_free_space_decide_the_verdict(world: World) -> None:
+    room = _room(world)
+    assert room.verdict(MiB, used=39 * MiB) is Verdict.FITS
+    assert room.verdict(2 * MiB, used=39 * MiB) is Verdict.OVER_CAPACITY
+    world.free = MiB // 2  # within the reading's TTL the store trusts it; then reads again
+    assert room.verdict(MiB, used=0) is Verdict.FITS
+    world.now += 1
+    assert room.verdict(MiB, used=0) is Verdict.NO_SPACE
+    assert room.need == MiB and not room.recheck()  # off until the space is back
+    world.free = 2 * MiB
+    world.now += 1  # the reading is cached for FREE_SPACE_TTL_SECONDS
+    assert room.recheck() and room.need == 0
+
+
+def test_free_space_is_read_once_per_ttl_less_what_was_planned_since(world: World) -> None:
+    room = _room(world)
+    assert room.free() == 50 * MiB and world.reads == 1
+    room.reserve(10 * MiB)
+    assert room.free() == 40 * MiB and world.reads == 1
+    world.now += disk_room.FREE_SPACE_TTL_SECONDS * 2
+    assert room.free() == 50 * MiB and world.reads == 2  # a fresh reading forgets the plans
+
+
+def test_a_spill_that_seems_not_to_fit_reads_the_space_again(world: World) -> None:
+    room = _room(world)
+    room.free()
+    world.free = MiB  # another process filled the disk since the reading
+    room.reserve(49 * MiB)
+    world.free = 10 * MiB
+    assert room.verdict(5 * MiB, used=0) is Verdict.FITS and world.reads == 2
+
+
+def test_reusable_extents_and_pending_deletes_count_as_free(world: World) -> None:
+    room = _room(world)
+    world.free = 0
+    assert room.engine is not None
+    room.engine.reusable = 3 * MiB  # type: ignore[attr-defined]
+    room.deleting = MiB
+    assert room.free() == 4 * MiB
+
+
+def test_a_write_error_pauses_the_tier_then_it_retries(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    room = _room(world)
+    with caplog.at_level(logging.INFO, logger="tierstore"):
+        room.write_failed("tensor #1", MiB, OSError(errno.EIO, "Input/output error"))
+        assert not room.recheck() and room.room(0) == 0
+        off, advice = room.advice()
+        assert "paused after a write error: EIO: Input/output error" in off
+        assert "TIERSTORE_DISK_BYTES" not in advice
+        world.now += disk_room.RETRY_SECONDS
+        assert room.recheck() and room.error is None and room.room(MiB) == 39 * MiB
+    assert "retrying the disk tier" in caplog.text
+
+
+def test_enospc_keeps_the_tier_off_until_the_space_returns(world: World) -> None:
+    room = _room(world)
+    world.free = 0
+    room.write_failed("tensor #1", 2 * MiB, OSError(errno.ENOSPC, "No space left on device"))
+    world.now += 10 * disk_room.RETRY_SECONDS
+    assert not room.recheck()
+    off, advice = room.advice()
+    assert f"full until {2 * MiB} bytes are free" in off and "free disk space" in advice
+    world.free = 2 * MiB
+    world.now += 1
+    assert room.recheck()

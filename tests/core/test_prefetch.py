@@ -1,0 +1,79 @@
+"""The LIFO prefetch walk without a store: newest first below the cursor, within the window,
+resuming where it stopped (Note: [Resumable prefetch walk])."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tierstore.core._prefetch import SCAN_LIMIT, STEP, PrefetchWalk, newest_first_within
+
+
+def _sizes(on_disk: dict[int, int]) -> Callable[[int], int | None]:
+    return on_disk.get
+
+
+def test_nothing_is_fetched_before_the_first_get() -> None:
+    assert PrefetchWalk().plan([1, 2, 3], _sizes({1: 10}), budget=100) == []
+
+
+def test_the_entries_below_the_cursor_come_newest_first_within_the_window() -> None:
+    walk = PrefetchWalk()
+    walk.cursor = 8
+    keys = list(range(1, 11))
+    on_disk = {k: 10 for k in keys if k != 6}  # 6 is resting in memory
+    assert walk.plan(keys, _sizes(on_disk), budget=35) == [7, 5, 4]
+
+
+def test_the_walk_resumes_where_it_stopped_and_stays_linear() -> None:
+    n = 2000
+    keys = list(range(1, n + 1))
+    on_disk = dict.fromkeys(keys, 1)
+    walk = PrefetchWalk()
+    fetched: list[int] = []
+    for cursor in reversed(keys):  # a backward sweep: one get per entry, newest first
+        walk.cursor = cursor
+        chosen = walk.plan(keys, _sizes(on_disk), budget=3 * n)
+        for key in chosen:
+            del on_disk[key]  # now fetching: no longer needs a fetch
+        fetched += chosen
+    assert sorted(fetched) == keys[:-1]
+    assert walk.steps <= 3 * n
+
+
+def test_one_walk_starts_at_most_a_step_of_fetches() -> None:
+    keys = list(range(1, 3 * STEP))
+    walk = PrefetchWalk()
+    walk.cursor = keys[-1]
+    chosen = walk.plan(keys, _sizes(dict.fromkeys(keys, 1)), budget=10**9)
+    assert len(chosen) == STEP and chosen[0] == keys[-2]
+
+
+def test_a_walk_looks_at_most_at_the_scan_limit() -> None:
+    keys = list(range(1, SCAN_LIMIT + 100))
+    walk = PrefetchWalk()
+    walk.cursor = keys[-1]
+    assert walk.plan(keys, _sizes({}), budget=10) == []
+    assert walk.steps == SCAN_LIMIT
+
+
+def test_a_cursor_that_moves_up_starts_a_new_walk_from_there() -> None:
+    keys = list(range(1, 21))
+    on_disk = dict.fromkeys(keys, 1)
+    walk = PrefetchWalk()
+    walk.cursor = 10
+    assert walk.plan(keys, _sizes(on_disk), budget=3) == [9, 8, 7]
+    walk.cursor = 20  # a second backward pass
+    assert walk.plan(keys, _sizes(on_disk), budget=2) == [19, 18]
+
+
+def test_an_empty_window_plans_nothing() -> None:
+    walk = PrefetchWalk()
+    walk.cursor = 5
+    assert walk.plan([1, 2, 3, 4, 5], _sizes({1: 1}), budget=0) == []
+    assert walk.steps == 0
+
+
+def test_chosen_handles_come_newest_first_until_one_does_not_fit() -> None:
+    asked = [(3, 10), (7, 10), (5, 30), (7, 10), (1, 5)]  # 7 asked twice
+    assert newest_first_within(asked, budget=25) == [7]
+    assert newest_first_within(asked, budget=54) == [7, 5, 3]
