@@ -676,6 +676,68 @@ def test_a_prefetch_makes_a_future_only_when_a_get_waits_on_it(make_store: MakeS
     assert held.reads == 2 and store.stats().prefetch_hits == 2
 
 
+def test_a_get_that_fails_keeps_no_handle_alive(make_store: MakeStore) -> None:
+    # Note: [A failed wait keeps no handle]: the failed future's error held the waiting frames,
+    # which held the future and the handle, so the entry outlived the handle until a collection.
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    faulty = install_faults(store)
+    h = store.put(torch.randn(1024))
+    wait_for(lambda: store.stats().inflight_bytes == 0)
+    assert store.tier_of(h) is Tier.DISK
+    faulty.fail_reads(errno.EIO, times=1)
+    gc.disable()
+    try:
+        with pytest.raises(tierstore.SpillIOError):
+            store.get(h)
+        del h
+        assert store.stats().live_entries == 0
+    finally:
+        gc.enable()
+
+
+async def test_an_async_get_that_fails_keeps_no_handle_alive(disk_dir: Path) -> None:
+    async with tierstore.AsyncTieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=0, prefetch_bytes=0, min_bytes=0
+    ) as store:
+        faulty = install_faults(store)
+        h = await store.put(torch.randn(1024))
+        while (await store.stats()).inflight_bytes:
+            await asyncio.sleep(0.005)
+        faulty.fail_reads(errno.EIO, times=1)
+        gc.disable()
+        try:
+            with pytest.raises(tierstore.SpillIOError):
+                await store.get(h)
+            del h
+            await asyncio.sleep(0)  # the futures' callbacks queued on the loop let go
+            assert (await store.stats()).live_entries == 0
+        finally:
+            gc.enable()
+
+
+def test_a_failed_entry_is_released_when_its_handle_goes(make_store: MakeStore) -> None:
+    # Note: [A failed entry raises a copy]: raising the error the entry keeps tied the handle
+    # to the entry for good (each get also lengthened its traceback).
+    store = make_store(device_bytes="unlimited")
+    t = torch.randn(1024)
+    h = store.put(t)
+    t.add_(1)
+    for _ in range(3):
+        with pytest.raises(tierstore.TensorModifiedError) as info:
+            store.get(h)
+    depth, tb = 0, info.value.__traceback__
+    while tb is not None:
+        depth, tb = depth + 1, tb.tb_next
+    assert depth <= 5, "the traceback grows with every get"
+    del info
+    gc.disable()
+    try:
+        del h
+        assert store.stats().live_entries == 0
+    finally:
+        gc.enable()
+
+
 def test_a_get_whose_own_read_fails_raises(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
     held = install_faults(store, HeldReadEngine)

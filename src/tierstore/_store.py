@@ -114,8 +114,12 @@ class AsyncTieredStore:
         ready = core.get_now(handle)
         if isinstance(ready, torch.Tensor):
             return ready
-        with core.waiting("get"):
-            t = await asyncio.shield(asyncio.wrap_future(ready))
+        try:
+            with core.waiting("get"):
+                t = await asyncio.shield(asyncio.wrap_future(ready))
+        except BaseException:
+            del ready  # Note: [A failed wait keeps no handle]
+            raise
         core.consumed(handle, t)
         return t
 

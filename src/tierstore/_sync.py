@@ -3,6 +3,14 @@
 It owns one event loop on a background thread, which runs every transfer. Operations that can
 finish at once (a put with room, a get of a tensor that is back) run in the caller's thread
 (Note: [Threading model]); the rest wait on the loop's results.
+
+Note: [A failed wait keeps no handle]
+    A get that waits does so on a future, and a future that failed holds its error. Raising
+    the error stores the traceback of the raise in it, whose frames hold the future (as a local
+    of the waiting frames) and the caller's handle: a reference cycle. The handle would then
+    outlive the caller's last reference to it until the garbage collector happened to run,
+    and its entry with it. So a wait that raises first drops its frames' reference to the
+    future; both facades do.
 """
 
 from __future__ import annotations
@@ -131,6 +139,9 @@ class TieredStore:
                 f"{what} waited more than {self._timeout}s; the disk may be stuck. Pass "
                 "TieredStore(timeout=...) to wait longer"
             ) from None
+        except BaseException:
+            del fut  # Note: [A failed wait keeps no handle]
+            raise
 
     # ------------------------------------------------------------------ operations
 
@@ -182,8 +193,12 @@ class TieredStore:
         ready = core.get_now(handle)
         if isinstance(ready, torch.Tensor):
             return ready
-        with core.waiting("get"):
-            t = self._wait(ready, f"get of {handle!r}")
+        try:
+            with core.waiting("get"):
+                t = self._wait(ready, f"get of {handle!r}")
+        except BaseException:
+            del ready  # Note: [A failed wait keeps no handle]
+            raise
         core.consumed(handle, t)
         return t
 

@@ -343,8 +343,7 @@ class StoreCore:
             self.drain_dropped()
             e = self.handles.lookup(self.table.entries, handle)
             if e.state is S.FAILED:
-                assert e.error is not None
-                raise e.error
+                raise e.failure()  # Note: [A failed entry raises a copy]
             if e.fetched is not None or e.data is not None:
                 return Tier.DEVICE
             if e.host is not None:

@@ -107,6 +107,22 @@ class Entry:
         """The resting state a fetched or fetching entry returns to."""
         return S.DISK if self.disk else S.HOST
 
+    def failure(self) -> BaseException:
+        """A fresh copy of the error this entry failed with, for one caller to raise.
+
+        Note: [A failed entry raises a copy]
+            Raising an exception stores the traceback of the raise in it, and the traceback's
+            frames hold the caller's handle. Raising the error the entry keeps would tie the
+            handle to the entry, which the store holds: the handle could never die, so the
+            entry would never be released, and every get would lengthen the traceback. So
+            each raise gets a fresh copy with the same message and cause.
+        """
+        err = self.error
+        assert err is not None
+        fresh = type(err)(*err.args)
+        fresh.__cause__ = err.__cause__
+        return fresh
+
     def needs_fetch(self) -> bool:
         """Whether a prefetch would bring it closer: on disk, or an accelerator tensor in host
         memory."""

@@ -45,8 +45,7 @@ def read_now(core: StoreCore, e: Entry) -> torch.Tensor | cf.Future[torch.Tensor
     st = core.counters
     state = e.state
     if state is S.FAILED:
-        assert e.error is not None
-        raise e.error
+        raise e.failure()  # Note: [A failed entry raises a copy]
     if state is S.FETCHED:
         assert e.fetched is not None
         out = e.fetched
@@ -65,8 +64,7 @@ def read_now(core: StoreCore, e: Entry) -> torch.Tensor | cf.Future[torch.Tensor
         # Resting on its device, or on the CPU where host memory is the device, or moving
         # down with its source still intact.
         if not core.table.check_unchanged(e, source, io_done=state not in TRANSIT):
-            assert e.error is not None
-            raise e.error
+            raise e.failure()
         st.prefetch_hits += 1
         st.gets += 1
         return compact(source)  # Note: [What get returns]

@@ -275,13 +275,11 @@ class Transfers:
                 fut.set_exception(Released(f"{e.describe()} was released"))
             return
         if isinstance(exc, CorruptTensorError):
-            err: BaseException = CorruptTensorError(
-                f"{e.describe()}: spilled copy is corrupt: {exc}"
-            )
+            e.error = CorruptTensorError(f"{e.describe()}: spilled copy is corrupt: {exc}")
             core.table.set_state(e, S.FAILED)
-            e.error = err
             core.table.free_copies(e)
-            log.error("tierstore: %s", err)
+            log.error("tierstore: %s", e.error)
+            err: BaseException = e.failure()  # Note: [A failed entry raises a copy]
         else:
             core.table.set_state(e, e.home())
             if e.prefetched and fut is not None:
