@@ -36,14 +36,8 @@ class OneFileEngine(DiskEngine):
     def footprint(self, nbytes: int) -> int:
         return -(-nbytes // 4096) * 4096
 
-    async def write(
-        self,
-        key: int,
-        src: torch.Tensor,
-        *,
-        dtype: torch.dtype | None = None,
-        shape: tuple[int, ...] | None = None,
-    ) -> None:
+    async def write(self, key: int, src: torch.Tensor, **description: object) -> None:
+        # ``dtype`` and ``shape`` may come in ``description``; raw bytes need neither.
         if key in self._crcs:
             raise KeyError(f"key {key} is already stored")
         data = src.numpy().tobytes()

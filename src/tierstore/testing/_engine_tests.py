@@ -37,7 +37,7 @@ from tierstore.errors import CorruptTensorError
 from tierstore.tiers import engine_class, engine_names
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
     from pathlib import Path
 
     from tierstore.tiers import DiskEngine
@@ -242,16 +242,17 @@ class EngineTests(abc.ABC):
     # -- damage ------------------------------------------------------------------------------
 
     async def test_a_damaged_byte_is_detected(self, engine: DiskEngine) -> None:
-        src = random_bytes(2 * CHUNK + 100, seed=5)
-        await engine.write(4, src)
-        self.damage_byte(engine, 4)
-        with pytest.raises(CorruptTensorError):
-            await engine.read(4, torch.empty_like(src))
+        await self._damage_is_detected(engine, self.damage_byte, seed=5)
 
     async def test_a_truncated_file_is_detected(self, engine: DiskEngine) -> None:
-        src = random_bytes(2 * CHUNK + 100, seed=6)
+        await self._damage_is_detected(engine, self.truncate, seed=6)
+
+    async def _damage_is_detected(
+        self, engine: DiskEngine, damage: Callable[[DiskEngine, int], None], seed: int
+    ) -> None:
+        src = random_bytes(2 * CHUNK + 100, seed=seed)
         await engine.write(4, src)
-        self.truncate(engine, 4)
+        damage(engine, 4)
         with pytest.raises(CorruptTensorError):
             await engine.read(4, torch.empty_like(src))
 

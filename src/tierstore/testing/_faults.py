@@ -110,13 +110,7 @@ class FaultyEngine(DiskEngine, register=False):
             await asyncio.sleep(self.write_delay)
         if self.before_write is not None:
             self.before_write(key)
-        with self._lock:
-            self.writes += 1
-            exc = self._write_fault.take() if self._write_fault else None
-            if exc is not None:
-                self.failed_writes += 1
-        if exc is not None:
-            raise exc
+        self._count_or_fail(write=True)
         await self.inner.write(key, src, **kwargs)
         with self._lock:
             self.written.add(key)
@@ -124,14 +118,22 @@ class FaultyEngine(DiskEngine, register=False):
     async def read(self, key: int, out: torch.Tensor) -> None:
         if self.read_delay:
             await asyncio.sleep(self.read_delay)
+        self._count_or_fail(write=False)
+        await self.inner.read(key, out)
+
+    def _count_or_fail(self, *, write: bool) -> None:
+        """Count a write or read, and raise the fault injected for it, if any."""
         with self._lock:
-            self.reads += 1
-            exc = self._read_fault.take() if self._read_fault else None
-            if exc is not None:
-                self.failed_reads += 1
+            fault = self._write_fault if write else self._read_fault
+            exc = fault.take() if fault else None
+            if write:
+                self.writes += 1
+                self.failed_writes += exc is not None
+            else:
+                self.reads += 1
+                self.failed_reads += exc is not None
         if exc is not None:
             raise exc
-        await self.inner.read(key, out)
 
     async def delete(self, key: int) -> None:
         with self._lock:

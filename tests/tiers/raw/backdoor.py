@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 from tierstore.tiers.raw._layout import Blob
 
 if TYPE_CHECKING:
+    import torch
+
     from tierstore.tiers import DiskEngine
     from tierstore.tiers.raw import RawEngine
 
@@ -32,3 +34,12 @@ def blob_of(engine: DiskEngine, key: int) -> Blob:
     blob = engine.layout(key)
     assert isinstance(blob, Blob)
     return blob
+
+
+async def reads_back(engine: DiskEngine, key: int, src: torch.Tensor) -> bool:
+    """Whether ``key`` read into a fresh tensor gives exactly the bytes of ``src``."""
+    import torch
+
+    out = torch.empty_like(src)
+    await engine.read(key, out)
+    return torch.equal(out, src)

@@ -7,7 +7,6 @@ import errno
 import os
 
 import pytest
-import torch
 
 from tierstore.testing import CHUNK, random_bytes, random_bytes_at
 from tierstore.tiers.raw import RawEngine
@@ -15,6 +14,7 @@ from tierstore.tiers.raw import _spill_file as spill_file
 from tierstore.tiers.raw._syscalls import PAGE
 
 from .backdoor import blob_of as _blob
+from .backdoor import reads_back
 
 
 async def test_freed_extent_is_reused_at_the_same_offset(engine: RawEngine) -> None:
@@ -33,10 +33,7 @@ async def test_the_file_grows_when_full(engine: RawEngine, monkeypatch: pytest.M
     for k, t in enumerate(srcs):
         await engine.write(k, t)
     assert engine.files[0].extents.size >= 30 * CHUNK
-    for k, t in enumerate(srcs):
-        out = torch.empty_like(t)
-        await engine.read(k, out)
-        assert torch.equal(out, t)
+    assert all([await reads_back(engine, k, t) for k, t in enumerate(srcs)])
 
 
 async def test_many_writers_finding_the_file_full_grow_it_once(
@@ -49,10 +46,7 @@ async def test_many_writers_finding_the_file_full_grow_it_once(
     await asyncio.gather(*(engine.write(k, t) for k, t in enumerate(srcs)))
     # Doubling from 4 chunks: 4, 8, 16, then steps of 16 up to the 64 needed.
     assert engine.files[0].extents.size == 64 * CHUNK
-    for k, t in enumerate(srcs):
-        out = torch.empty_like(t)
-        await engine.read(k, out)
-        assert torch.equal(out, t)
+    assert all([await reads_back(engine, k, t) for k, t in enumerate(srcs)])
 
 
 async def test_enospc_surfaces_from_write_and_loses_nothing(
@@ -78,9 +72,7 @@ async def test_enospc_surfaces_from_write_and_loses_nothing(
     assert calls == [4 * CHUNK, 3 * CHUNK + 2 * PAGE]  # the growth step, then just what it needs
     assert not engine.holds(2)
     assert engine.files[0].extents.size == size_before
-    out = torch.empty_like(kept)
-    await engine.read(1, out)
-    assert torch.equal(out, kept)
+    assert await reads_back(engine, 1, kept)
     monkeypatch.setattr(os, "posix_fallocate", real_fallocate)
     await engine.write(2, random_bytes_at(big, lead=64))
     assert engine.files[0].extents.size == 8 * CHUNK

@@ -166,17 +166,11 @@ class RawEngine(DiskEngine):
         """Free extents inside the spill files (space of deleted blobs, growth not yet used)."""
         return sum(f.extents.free_bytes for f in self._files)
 
-    async def write(
-        self,
-        key: int,
-        src: torch.Tensor,
-        *,
-        dtype: torch.dtype | None = None,
-        shape: tuple[int, ...] | None = None,
-    ) -> None:
+    async def write(self, key: int, src: torch.Tensor, **description: object) -> None:
         """Store ``src`` (1-D contiguous uint8, CPU) under ``key``; see :class:`DiskEngine`.
 
-        A small blob joins the open pack (Note: [Small blobs travel in packs]).
+        A small blob joins the open pack (Note: [Small blobs travel in packs]). The bytes are
+        all the engine keeps: a ``dtype`` or ``shape`` in ``description`` is ignored.
         """
         if not self._joins_pack(key, src):
             await self._write_alone(key, src)

@@ -18,18 +18,6 @@ if TYPE_CHECKING:
 __all__ = ["DirectIOProbe", "probe_direct_io"]
 
 
-@dataclass(frozen=True, slots=True)
-class DirectIOProbe:
-    """Whether O_DIRECT works in one directory, as :func:`probe_direct_io` found."""
-
-    directory: str
-    """The directory probed."""
-    supported: bool
-    """An O_DIRECT open, ``posix_fallocate``, page write and page read all succeeded."""
-    reason: str
-    """Why not (the OS error), or ``"ok"``."""
-
-
 def probe_direct_io(directory: Path) -> DirectIOProbe:
     """Do in ``directory``, on a scratch file, what the engine will do with O_DIRECT.
 
@@ -79,3 +67,15 @@ def probe_direct_io(directory: Path) -> DirectIOProbe:
                 os.unlink(path)
         buf.close()
     return DirectIOProbe(str(directory), True, "ok")
+
+
+@dataclass(frozen=True, slots=True)
+class DirectIOProbe:
+    """Whether O_DIRECT works in one directory, as :func:`probe_direct_io` found."""
+
+    directory: str
+    """The directory probed."""
+    supported: bool
+    """An O_DIRECT open, ``posix_fallocate``, page write and page read all succeeded."""
+    reason: str
+    """Why not (the OS error), or ``"ok"``."""
