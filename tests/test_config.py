@@ -56,7 +56,7 @@ def test_bad_sizes_name_the_variable_and_value(text: str, fragment: str) -> None
     assert fragment in msg
 
 
-# One bad value for every variable DESIGN.md lists, each named in the error.
+# One bad value for every TIERSTORE_* variable, each named in the error.
 BAD_VALUES = {
     "TIERSTORE_DEVICE_BYTES": "lots",
     "TIERSTORE_HOST_BYTES": "-64MiB",

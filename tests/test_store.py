@@ -141,7 +141,8 @@ def test_host_tier_on_cpu_holds_the_tensor_itself(make_store: MakeStore) -> None
 
 
 def test_a_view_does_not_keep_its_base_alive(make_store: MakeStore) -> None:
-    # DESIGN invariant 2: once moved, the store holds a compact copy, not the padded base.
+    # Releasing a tensor frees its storage, views of a larger base included: once moved, the
+    # store holds a compact copy, not the padded base.
     store = make_store(device_bytes=0, host_bytes="unlimited")
     base = torch.randn(4 * MiB)
     ref = base.untyped_storage()._weak_ref()
@@ -189,7 +190,7 @@ def test_spilled_bytes_are_really_in_the_spill_directory(make_store: MakeStore) 
 
 
 def test_a_big_cpu_tensor_comes_back_at_its_place_in_a_page(make_store: MakeStore) -> None:
-    # Note: [A tensor's lead] in _raw.py: written straight from the tensor's pages, read
+    # Note: [A tensor's lead]: written straight from the tensor's pages, read
     # straight into a pooled buffer spanning the same pages, handed back as a tensor whose
     # storage is exactly its bytes at the lead (Note: [What get returns]).
     store = make_store(device_bytes=0, host_bytes=0)
@@ -775,7 +776,7 @@ def test_one_get_plans_a_step_of_prefetch_and_the_window_fills_behind_it(
     make_store: MakeStore,
 ) -> None:
     # Note: [Resumable prefetch walk]: planning a whole window of small fetches inside one get
-    # held the lock for ~100 ms, and the first get of backward waited behind all of it.
+    # held the lock long, and the first get of backward waited behind all of it.
     from tierstore.core._prefetch import STEP as _PREFETCH_STEP
 
     n = 3 * _PREFETCH_STEP + 10

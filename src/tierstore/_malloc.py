@@ -1,14 +1,14 @@
 """Give memory freed by spilling back to the OS, so offloading really lowers RSS.
 
 Note: [Returning host memory]
-    A tensor the store wrote to disk is freed into glibc's heap, which keeps it: pushing 1 GiB
-    in 16 MiB tensors through a 64 MiB host tier grew peak RSS by 545-674 MiB on the development
-    machine, although the store never held more than ~130 MiB. ``malloc_trim(0)`` returns free
-    heap pages to the OS; run at most every 20 ms after spills and releases, it kept the growth
-    at 161-193 MiB in the same run. Fixing glibc's mmap threshold instead did as well on RSS
-    (119-130 MiB) but makes every large allocation of the whole process page-fault afresh,
-    which this machine does at 1-2 GB/s, so the store does not touch malloc's policy.
-    A trim costs well under a millisecond (0.08 ms after freeing 512 MiB), so it runs inline.
+    A tensor the store wrote to disk is freed into glibc's heap, which keeps it: pushing a
+    gigabyte of tensors through a small host tier grew peak RSS by several times what the store
+    ever held. ``malloc_trim(0)`` returns free heap pages to the OS; run at most every
+    ``_INTERVAL_SECONDS`` after spills and releases, it keeps the growth to a fraction of that.
+    Fixing glibc's mmap threshold instead does as well on RSS, but makes every large allocation
+    of the whole process page-fault afresh, which is slow, so the store does not touch malloc's
+    policy. A trim costs well under a millisecond, so it runs inline. docs/architecture.md
+    ("Lifetime and cleanup") has the figures.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _last = 0.0
 
 
 def trim_soon() -> None:
-    """Return free heap memory to the OS, at most every 20 ms (any thread)."""
+    """Return free heap memory to the OS, at most every ``_INTERVAL_SECONDS`` (any thread)."""
     if time.monotonic() - _last >= _INTERVAL_SECONDS:
         trim_now()
 

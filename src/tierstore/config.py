@@ -260,8 +260,8 @@ class StoreConfig:
     max_inflight_bytes: int = 256 * MiB
     """Bytes being moved down at once before :meth:`put` waits (the save semaphore)."""
     io_threads: int = 8
-    """Threads issuing disk I/O: 8 requests of 8 MiB in flight read 1.5-2x faster than 4 into
-    freshly allocated tensors on the development machine (docs/disk-engine.md)."""
+    """Threads issuing disk I/O: 8 requests of 8 MiB in flight read into freshly allocated
+    tensors faster than 4 (docs/disk-engine.md, "Defaults")."""
     io_chunk_bytes: int = 8 * MiB
     """Size of one disk request; a multiple of 4096."""
     direct_io: DirectIO = "auto"

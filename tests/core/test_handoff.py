@@ -134,7 +134,7 @@ async def test_a_get_that_waits_reads_alone_not_behind_a_batch_of_prefetches(
     tmp_path: Path,
 ) -> None:
     # The first get of backward used to share a batch with the prefetches it started, and
-    # waited until all of them were read: 20-120 ms for 4096 tensors of 64 KiB.
+    # waited until all of them were read (docs/architecture.md, "LIFO prefetch").
     async with AsyncTieredStore(
         host_bytes=0, min_bytes=0, disk_dir=str(tmp_path), prefetch_bytes=64 * MiB
     ) as store:
@@ -167,7 +167,7 @@ async def test_a_spilled_small_tensor_keeps_four_objects_for_the_garbage_collect
     tmp_path: Path,
 ) -> None:
     # A full collection walks every tracked object alive, so each one a spilled tensor keeps
-    # costs every collection of the run (Note: [Small blobs travel in packs] in _raw.py).
+    # costs every collection of the run (Note: [Small blobs travel in packs]).
     async with AsyncTieredStore(host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)) as store:
         gc.collect()
         before = len(gc.get_objects())

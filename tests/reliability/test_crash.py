@@ -117,7 +117,7 @@ def test_sigterm_mid_step_removes_the_spill_dir_and_still_dies_of_sigterm(disk_d
     spill = _spill_dir_and_wait_in_flight(proc)
     proc.send_signal(signal.SIGTERM)
     code, err = _finish(proc)
-    # Note: [SIGTERM] in _registry.py: the exit status is the default one, files are gone.
+    # Note: [SIGTERM]: the exit status is the default one, files are gone.
     assert code == -signal.SIGTERM, err[-3000:]
     assert not spill.exists()
     assert list(disk_dir.iterdir()) == []

@@ -1,10 +1,10 @@
 """The store's GPU path on the stream simulator (tests/gpusim): exact bytes, no unordered access.
 
-Every test runs under both schedules (Note: [Copy ordering on an accelerator] in
-``tiers/_device.py`` says what each ordering rule protects; the lazy schedule shows a missing
-wait as stale bytes, the eager one shows an early free or overwrite as poison), and the
-simulator's race checker fails the test on any access it cannot order, whichever schedule
-hid it. Tensors live on ``cuda:0`` and ``cuda:1`` and come contiguous and strided.
+Every test runs under both schedules (Note: [Copy ordering on an accelerator] says what each
+ordering rule protects; the lazy schedule shows a missing wait as stale bytes, the eager one shows
+an early free or overwrite as poison), and the simulator's race checker fails the test on any
+access it cannot order, whichever schedule hid it. Tensors live on ``cuda:0`` and ``cuda:1`` and
+come contiguous and strided.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def session(schedule: str, disk_dir: Path) -> Iterator[Env]:
             try:
                 yield env
             finally:
-                gc.collect(1)  # young objects only: a full collection costs ~0.2 s here
+                gc.collect(1)  # young objects only: a full collection walks everything torch made
                 for store in env.made:
                     if not store.closed:
                         audit(store)

@@ -8,9 +8,9 @@ host buffer it allocates, goes through these functions; nothing else in the pack
 torch.
 
 Every name is looked up on ``torch`` when called, never bound at import: the current stream is
-per thread and changes under the caller (Note: [Copy ordering on an accelerator] in
-``_device.py``), and the stream simulator the tests run on replaces these entry points of
-torch for the length of a test.
+per thread and changes under the caller (Note: [Copy ordering on an accelerator]), and the
+stream simulator the tests run on replaces these entry points of torch for the length of a
+test.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 google_crc32c's functions accept only immutable ``bytes``: they refuse memoryviews of our mmap
 buffers and of tensors, and copying a chunk into ``bytes`` would cost more than the checksum.
 So we call the ``libcrc32c`` that the google-crc32c wheel bundles through ``ctypes``, which
-releases the GIL around foreign calls; the I/O threads then checksum in parallel (about
-26 GB/s per thread on the development machine). Where that library cannot be found we fall
-back to google_crc32c on a copy, which is correct but slower, and :data:`IMPLEMENTATION` says so.
+releases the GIL around foreign calls; the I/O threads then checksum in parallel, each far
+faster than a disk (docs/disk-engine.md, "Checksums"). Where that library cannot be found we
+fall back to google_crc32c on a copy, which is correct but slower, and :data:`IMPLEMENTATION`
+says so.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ def crc32c(address: int, nbytes: int, crc: int = 0) -> int:
     Note: [Short foreign calls keep the GIL]
         A ctypes call normally releases the GIL and takes it back when it returns. When other
         threads run Python meanwhile, taking it back can wait up to the interpreter's switch
-        interval (5 ms), so a pack of 128 small blobs, three calls each, spent 16 ms copying
-        8 MiB. Blocks of at most :data:`SHORT_CALL_BYTES` (a few microseconds of work) are
-        therefore checksummed and copied while holding the GIL; bigger ones release it.
+        interval, so a pack of many small blobs, three calls each, spent longer waiting for
+        the GIL than copying (docs/disk-engine.md, "Small blobs"). Blocks of at most
+        :data:`SHORT_CALL_BYTES` (a few microseconds of work) are therefore checksummed and
+        copied while holding the GIL; bigger ones release it.
     """
     if nbytes <= SHORT_CALL_BYTES and _EXTEND_HELD is not None:
         return _EXTEND_HELD(crc, address, nbytes)

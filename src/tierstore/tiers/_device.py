@@ -77,7 +77,8 @@ _held: list[tuple[Any, torch.Tensor]] = []
 def compact(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when it owns exactly its storage; otherwise a compact contiguous copy.
 
-    Keeping a view of a larger base would keep the whole base alive (Note: DESIGN invariant 2).
+    Keeping a view of a larger base would keep the whole base alive: releasing a tensor must
+    free its storage, views of a larger base included.
     """
     if t.requires_grad:
         t = t.detach()

@@ -1,16 +1,15 @@
 """Copies and fills over raw addresses; short ones keep the GIL.
 
-See Note: [Short foreign calls keep the GIL] in ``_checksum.py``.
+See Note: [Short foreign calls keep the GIL].
 
 Note: [Prefaulting a read's destination]
     A small tensor read back from disk is copied out of a bounce buffer into a fresh
     ``torch.empty``, whose pages the kernel usually no longer backs: the store's
     ``malloc_trim`` (Note: [Returning host memory]) and glibc's own heap trimming hand freed
-    pages back, so the copy takes one page fault per 4 KiB. On the development machine (a VM)
-    copying 64 KiB into such memory took 34 us; asking for the pages first with one
-    ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) and then copying took 25 us. In five
-    alternating runs of 4096 x 64 KiB put+get rounds in steady state, reading back took 53-68
-    us per tensor against 66-72 without. Populating never changes the contents of memory, so
+    pages back, so the copy takes one page fault per 4 KiB. Asking for the pages first with one
+    ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), which releases the GIL, and then copying
+    into present pages is faster, per copy and per small tensor read back
+    (docs/disk-engine.md, "Small blobs"). Populating never changes the contents of memory, so
     the range may include the neighbours that share its first and last page.
 """
 
@@ -96,7 +95,7 @@ def prefault(dst: int, nbytes: int) -> bool:
     """Make the pages under ``nbytes`` at ``dst`` present and writable, without writing them.
 
     See Note: [Prefaulting a read's destination]. Unlike a short copy, the call releases the
-    GIL: it is the part that faults, and keeping the GIL through it measured no faster.
+    GIL: it is the part that faults, and keeping the GIL through it was no faster.
     Returns whether the kernel populated the range; ``False`` for ranges under
     :data:`PREFAULT_MIN_BYTES`, off Linux, for a mapping that refuses (read-only, or a
     driver's pinned memory, which is resident anyway), and for good when the kernel does not

@@ -1,9 +1,9 @@
-"""Reusable page-aligned host buffers for tensors read back from disk.
+"""The read pool: reusable page-aligned host buffers that CPU tensors read back from disk land in.
 
 Note: [Buffers come back when the last tensor goes]
-    ``get`` hands its caller a tensor the caller owns, so a read cannot go into a buffer the
-    store keeps. But fresh memory is slow: on the development machine a new 16 MiB mapping is
-    filled at 1-2.4 GB/s (page faults), a reused one at ~20 GB/s. Each buffer here is an
+    ``get`` hands its caller a tensor the caller owns, so a read cannot go into a buffer the store
+    keeps. But fresh memory is slow: it page-faults as it is filled, about ten times slower than
+    memory used before (docs/architecture.md, "Lifetime and cleanup"). Each buffer here is an
     anonymous ``mmap`` wrapped by ``torch.frombuffer``, and every storage made from it holds a
     reference to the ``mmap`` object until the storage dies, views included. So a buffer whose
     reference count is back to the pool's own is free to reuse, and a tensor still in use is
@@ -28,11 +28,10 @@ def _new_map(size: int) -> mmap.mmap:
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if size >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
         # Where transparent huge pages are "madvise", this makes the first touch of memory
-        # freed moments before (as the forward's spilled activations are) about 4x cheaper:
-        # 8.5-9.8 GB/s against 2.2 for 4 KiB pages, one thread, on the development machine.
-        # Memory its VM host had taken back (free page reporting, docs/benchmarks.md) came
-        # in at 0.8-1.2 GB/s with huge pages against 2.2 without; a pool maps new buffers
-        # only in its first round, so that case is left to pay.
+        # freed moments before (as the forward's spilled activations are) several times
+        # cheaper. Memory a VM's host had taken back (free page reporting) comes in slower
+        # with huge pages than without; a pool maps new buffers only in its first round, so
+        # that case is left to pay. docs/benchmarks.md has the figures.
         m.madvise(mmap.MADV_HUGEPAGE)
     return m
 
@@ -80,7 +79,7 @@ class ReadPool:
 
         Returns:
             ``(window, data)``. ``window`` is the whole buffer from its first page: what a disk
-            read fills (Note: [A tensor's lead] in ``_raw.py``). ``data`` is the
+            read fills (Note: [A tensor's lead]). ``data`` is the
             ``nbytes`` at ``lead``, a tensor whose storage is exactly those bytes
             (``storage_offset() == 0``), so nothing else in the buffer can be reached through
             it. Either keeps the buffer busy while it lives.

@@ -12,7 +12,8 @@ Arrays are uncompressed, so any zarr v3 reader can open a spill while the proces
 * Chunks hold about ``io_chunk_bytes`` each, split along the first axis.
 
 Files are made 0600 and directories 0700 (zarr itself would follow the umask). The raw engine
-is about twice as fast; use this one when a spill must be readable by other tools.
+is faster (docs/disk-engine.md, "Zarr engine"); use this one when a spill must be readable by
+other tools.
 """
 
 from __future__ import annotations
