@@ -57,15 +57,7 @@ class Env:
 def session(schedule: str, disk_dir: Path) -> Iterator[Env]:
     """Simulated GPUs for the block; stores made in it are closed (and audited) before it ends,
     and the race checker must have stayed silent (else ``SimulationError`` at exit)."""
-    from tierstore.adapters import _storage
-
-    reason = _storage.unsupported_reason
-
     # The store refuses tensor subclasses; the simulator's stands in for a plain device tensor.
-    def unsupported(t: torch.Tensor) -> str | None:
-        return None if isinstance(t, gpusim.SimTensor) else reason(t)
-
-    _storage.unsupported_reason = unsupported  # type: ignore[assignment]
     _device.forget_streams()
     try:
         with plain_tensor_type(gpusim.SimTensor), gpusim.simulate(schedule, legacy=True) as sim:
@@ -79,7 +71,6 @@ def session(schedule: str, disk_dir: Path) -> Iterator[Env]:
                         audit(store)
                     store.close()
     finally:
-        _storage.unsupported_reason = reason  # type: ignore[assignment]
         _device.forget_streams()
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from tierstore.config import MiB
+from tierstore.core._checks import unsupported
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -70,21 +71,15 @@ def min_bytes_of(store: TieredStore, min_bytes: int | None) -> int:
 
 
 def unsupported_reason(t: torch.Tensor) -> str | None:
-    """Why the store could not hold ``t`` as plain strided bytes, or None when it can."""
-    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
-        return f"subclass {type(t).__name__}"
-    if t.layout != torch.strided:
-        return f"layout {t.layout}"
-    if t.is_meta:
-        return "meta tensor"
-    if t.is_quantized:
-        return "quantized tensor"
-    if t.is_nested:
-        return "nested tensor"
-    if t.is_conj() or t.is_neg():
-        # The lazy conjugate/negative bit is not part of the bytes; rebuilding would lose it.
+    """Why ``t`` cannot be kept as its storage's plain bytes and rebuilt from them, or None.
+
+    What ``put`` refuses (the store's own rule: subclasses, sparse, nested, quantized, other
+    devices, meta), and a lazy conjugate or negative bit, which is not part of the bytes.
+    """
+    why = unsupported(t)
+    if why is None and (t.is_conj() or t.is_neg()):
         return "lazy conj/neg bit"
-    return None
+    return why
 
 
 def _class_in(modules: tuple[str, ...], name: str) -> type | None:
