@@ -97,11 +97,11 @@ class StoreCore:
             self.transfers.delete_many,
         )
         self._keys = itertools.count(1)
-        # Read buffers are reused once their tensors die (Note: [Buffers come back when the
-        # last tensor goes]); keep about a prefetch window of them.
+        # Read buffers are reused once their tensors die; keep about a prefetch window of
+        # them (Note: [Buffers come back when the last tensor goes]).
         self.read_pool = ReadPool(keep_bytes=max(config.prefetch_bytes, 64 << 20))
-        # The host tier of accelerator tensors, pinned at its first use (Note: [The pinned
-        # pool]); a CPU-only process never allocates it.
+        # The host tier of accelerator tensors, pinned at its first use; a CPU-only process
+        # never allocates it (Note: [The pinned pool]).
         self.pinned = PinnedPool(config.host_bytes)
         self.disk_tier = open_disk_tier(config)
         self.disk = DiskRoom(self.disk_tier.engine, self.disk_tier.capacity, config.disk_dirs)
