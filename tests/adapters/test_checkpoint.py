@@ -1,7 +1,6 @@
 """tierstore.checkpoint: identical gradients with dropout, arguments, outputs, no recursion.
 
-See Note: [Checkpoint without recursion] and Note: [Every input is an input] in
-src/tierstore/adapters/_checkpoint.py.
+See Note: [Checkpoint without recursion] and Note: [Every input is an input].
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""offload_activations: DESIGN.md invariants 1-6, eligibility, sharing, prefetch, visibility.
+"""offload_activations: flat memory, freed storages, no recursion, exact values, forwards without
+backward, retain_graph; eligibility, sharing, prefetch, visibility.
 
-See Note: [One storage, one entry] and Note: [The graph owns the entries] in
-src/tierstore/adapters/_storage.py.
+See Note: [One storage, one entry] and Note: [The graph owns the entries].
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def test_double_backward_with_create_graph(store_factory: StoreFactory) -> None:
 def test_inplace_change_after_save_raises_as_without_hooks(
     store_factory: StoreFactory, tier: str
 ) -> None:
-    # See Note: [Version check] in src/tierstore/adapters/_storage.py.
+    # See Note: [Version check].
     store = store_factory(tier)
     x = torch.randn(100, requires_grad=True)
     y = x.exp()

@@ -10,7 +10,7 @@ keeps live in a :class:`~tierstore.TieredStore` rather than in device memory.
 Note: [Inputs live in the store]
     torch's frame keeps each input as a saved variable, so a layer's input stays in memory
     until backward. Here the frame puts each input's storage into the store instead (once per
-    storage, Note: [One storage, one entry] in ``_storage.py``) and keeps only the record: a
+    storage, Note: [One storage, one entry]) and keeps only the record: a
     weak reference to the input and the store's handle. The recompute gets the input object
     itself while it is alive (someone else holds it, so its memory is in use anyway, and the
     function sees the very object it saw in the forward, attributes and all), and otherwise a

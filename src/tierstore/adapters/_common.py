@@ -95,7 +95,7 @@ def unwrap(t: torch.Tensor) -> tuple[torch.Tensor, object]:
     """The plain tensor that holds ``t``'s bytes, and the DTensor spec to rebuild ``t`` with.
 
     For a plain tensor: itself and None. For a ``DTensor``: its local shard and its spec (Note:
-    [A DTensor stores its shard] in ``_storage.py``). For an ``AsyncCollectiveTensor`` (what
+    [A DTensor stores its shard]). For an ``AsyncCollectiveTensor`` (what
     a collective hands out before it is waited on, the output of a row-wise parallel layer
     and often a DTensor's shard): the waited result, as any use of it would wait. Any other
     subclass comes back as itself; :func:`unsupported_reason` refuses it.

@@ -1,6 +1,6 @@
 """``offload_activations``: saved-tensor hooks that keep what autograd saves in a TieredStore.
 
-See Note: [One storage, one entry] and Note: [The graph owns the entries] in ``_storage.py``.
+See Note: [One storage, one entry] and Note: [The graph owns the entries].
 
 Note: [Buffers are found on the stack]
     A module's buffer (a causal mask, rotary tables) stays in memory whatever autograd saves,
@@ -213,7 +213,7 @@ class offload_activations:
         session = _Session(store, min_bytes_of(store, self._min_bytes))
         # The pack hook holds the session; the graph's records hold it too, so it lives while
         # the block runs and while anything it stored lives. Note: [Hooks run eagerly under
-        # torch.compile] in _common.py.
+        # torch.compile].
         hooks = saved_tensors_hooks(untraced(session.pack), untraced(_unpack))
         # A refusal (torch disables saved-tensor hooks under some compilers and checkpoint
         # modes) raises here and leaves nothing behind.

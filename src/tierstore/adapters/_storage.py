@@ -154,7 +154,7 @@ class Saved:
                     f"{self.end} elements of its storage but the store returned {typed.numel()}"
                 )
             # ``as_strided`` counts its offset from the start of the storage, not of ``flat``;
-            # get returns offset 0 (Note: [What get returns] in ``_core.py``), and counting
+            # get returns offset 0 (Note: [What get returns]), and counting
             # from ``flat`` keeps views right even if that ever changed.
             plain = typed.as_strided(self.size, self.stride, typed.storage_offset() + self.offset)
         if self.dtensor_spec is None:

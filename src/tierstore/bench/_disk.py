@@ -13,7 +13,7 @@ them, then reads them back newest first. The paths, all in one run:
   host tier, so every tensor spills, through ``put``/``get`` (the 2dirs variant stripes over
   ``--dir`` and ``--dir2``); ``tierstore-raw-steady`` and ``tierstore-raw-2dirs-steady``: the
   same tensors again through the same store once the first round is released, as in every
-  training step after the first (Note: [First spill and steady state] in ``_paths.py``);
+  training step after the first (Note: [First spill and steady state]);
 * ``raw-engine``: the raw engine without the store around it;
 * ``torch.save``: one ``torch.save``/``torch.load`` file per tensor, as axolotl's offloader;
 * ``aiofiles``: whole-file writes and ``readinto`` reads, 16 in flight;
@@ -326,9 +326,8 @@ def _hand_back_free_memory() -> None:
         Every path's read phase allocates the tensors it reads back. glibc keeps freed blocks
         of up to 32 MiB in its heap once a free has raised its mmap threshold, so without
         this a path could read into memory the path before it left there, already backed,
-        while another path faulted in new memory: on the development machine ``torch.load``
-        read 1 GiB of 16 MiB tensors at 2.09 GB/s into such memory and at 1.40-1.45 GB/s
-        into new memory (4096 against 262,000 page faults), depending only on what ran
+        while another path faulted in new memory: ``torch.load`` read markedly faster into
+        such memory than into new memory (docs/benchmarks.md), depending only on what ran
         before it. The store hands freed memory back on its own (Note: [Returning host
         memory]), so its reads always faulted in new memory. Collecting garbage and trimming
         the heap before each path gives every path the same start.

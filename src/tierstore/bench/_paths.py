@@ -127,11 +127,11 @@ def _store_path(disk_format: str, two_dirs: bool, steady: bool) -> PathFn:
     Note: [First spill and steady state]
         The first spill lands in a freshly grown spill file, whose extents ext4 (like XFS)
         keeps as *unwritten* until a write converts them, and converting costs journal work:
-        on the development machine fio writes a fresh file at about 2 GB/s and overwrites the
-        same file at about 3.2 GB/s. A training run spills into fresh space only in its first
-        step; every later step reuses the extents the previous one freed. The benchmark
-        therefore measures both, each against the matching raw limit: the first round
-        against fio writing a new file, the second against fio overwriting it.
+        fio writes a fresh file markedly slower than it overwrites the same file
+        (docs/disk-engine.md, "First spill and steady state"). A training run spills into fresh
+        space only in its first step; every later step reuses the extents the previous one
+        freed. The benchmark therefore measures both, each against the matching raw limit: the
+        first round against fio writing a new file, the second against fio overwriting it.
     """
 
     def run(ctx: Context, tensors: list[torch.Tensor]) -> Timing:

@@ -93,7 +93,7 @@ class RawLimit:
     """Sequential O_DIRECT writes into a new file, GB/s (10**9 bytes per second)."""
     overwrite_gbps: float
     """The same writes again over the file just written: the limit for steady-state spilling
-    (Note: [First spill and steady state] in ``_paths.py``)."""
+    (Note: [First spill and steady state])."""
     read_gbps: float
     """Sequential O_DIRECT reads, GB/s."""
     write_cpu_s_per_gb: float = float("nan")

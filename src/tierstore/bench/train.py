@@ -26,7 +26,7 @@ wrong mean nothing.
 Every child runs with MALLOC_MMAP_THRESHOLD_=1048576, so that every mode returns freed
 tensors of 1 MiB and more to the OS at once. Without it glibc would keep them in its heap in
 the modes that do not offload, while the store returns what it frees with malloc_trim (Note:
-[Returning host memory] in src/tierstore/_malloc.py), and the RSS comparison would favour
+[Returning host memory]), and the RSS comparison would favour
 the store.
 
     tierstore-bench train --json results.jsonl      # or: python -m tierstore.bench.train
