@@ -122,6 +122,10 @@ def main() -> None:
         if rank == 0:
             print(f"each rank's host tier: {store.config.host_bytes} bytes", flush=True)
         store.close()  # logs its one-line summary to the "tierstore" logger at INFO
+    # Every rank done before any tears gloo down: a rank leaving while another's gloo threads
+    # still talk to it now and then aborts a process at exit ("terminate called without an
+    # active exception"), with or without tierstore.
+    dist.barrier()
     dist.destroy_process_group()
 
 

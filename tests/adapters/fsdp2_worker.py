@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _adapters_util import TinyDecoder  # this script's directory is on sys.path
+from differential import settle
 from torch import nn
 
 import tierstore
@@ -68,6 +69,7 @@ def fsdp2_grads(mode: str, store: tierstore.TieredStore, steps: int) -> list[tor
             loss = model.loss(ids, through_store)
         else:
             loss = model.loss(ids)
+        settle(store)  # every write lands: backward reads each tensor back from disk
         loss.backward()  # FSDP2 reduce-scatters the gradients here
         grads += [p.grad.to_local().clone() for p in model.parameters() if p.grad is not None]
         opt.step()
@@ -144,6 +146,7 @@ def tp_grads(mode: str, store: tierstore.TieredStore, steps: int) -> list[torch.
                 loss = model(x).pow(2).mean()
         else:
             loss = model(x).pow(2).mean()
+        settle(store)
         loss.backward()
         grads += [p.grad.to_local().clone() for p in model.parameters()]
         grads.append(x.grad.clone())
@@ -205,6 +208,9 @@ def rank_main(rank: int, rendezvous: str, out: Path, disk_dir: str, steps: int) 
             report[f"tp-{mode}-probe"] = list(_Probe.seen)
         report["in-place"] = dtensor_written_in_place(store)
     (out / f"report-rank{rank}.json").write_text(json.dumps(report))
+    # Both ranks done before either tears gloo down: one leaving while the other's gloo
+    # threads still talk to it now and then aborts a process at exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from differential import settle
 from torch import nn
 
 import tierstore
@@ -82,6 +83,8 @@ def train(
                 y = forward(blocks, x)
         else:
             y = forward(blocks, x, store if mode == "checkpoint" else None)
+        if store is not None:
+            settle(store)  # every write lands: backward reads each tensor back from disk
         y.pow(2).mean().backward()
         grads += [p.grad.clone() for p in blocks.parameters() if p.grad is not None]
         blocks.zero_grad(set_to_none=True)
@@ -165,7 +168,9 @@ def test_offload_block_inside_a_compiled_function(
 
     got: list[torch.Tensor] = []
     for step in range(STEPS):
-        loss_of(batch(step)).backward()
+        loss = loss_of(batch(step))
+        settle(store)
+        loss.backward()
         got += [p.grad.clone() for p in blocks.parameters() if p.grad is not None]
         blocks.zero_grad(set_to_none=True)
     assert_equal(expected, got)
@@ -197,7 +202,9 @@ def test_checkpoint_inside_a_compiled_function(store_factory: StoreFactory) -> N
 
         got: list[torch.Tensor] = []
         for step in range(STEPS):
-            loss_of(batch(step)).backward()
+            loss = loss_of(batch(step))
+            settle(store)
+            loss.backward()
             got += [p.grad.clone() for p in blocks.parameters() if p.grad is not None]
             blocks.zero_grad(set_to_none=True)
         runs.append(got)
