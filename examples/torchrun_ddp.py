@@ -122,6 +122,9 @@ def main() -> None:
     if args.out is not None:
         (args.out / f"report-rank{rank}.json").write_text(json.dumps(report))
     print(f"rank {rank}: {report['summary']}")
+    # Every rank done before teardown: gloo otherwise sometimes aborts at exit ("terminate
+    # called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

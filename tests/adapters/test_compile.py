@@ -179,14 +179,6 @@ def test_offload_block_inside_a_compiled_function(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="tierstore.checkpoint inside a compiled function: Dynamo traces the checkpoint, "
-    "the forward runs in the enclosing graph and the recompute in backward does not, and "
-    "torch's checkpoint frame finds the recomputed tensors' metadata different "
-    "(CheckpointError). Wrapping tierstore.checkpoint in torch.compiler.disable "
-    "(recursive) makes it pass: a graph break at each checkpoint, the layer run eagerly.",
-)
 def test_checkpoint_inside_a_compiled_function(store_factory: StoreFactory) -> None:
     """What Hugging Face models do with gradient checkpointing on and the model compiled."""
     store = store_factory("disk")

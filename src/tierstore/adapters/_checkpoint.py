@@ -379,6 +379,16 @@ def checkpoint(
         >>> layer[0].weight.grad.shape
         torch.Size([8, 8])
     """
+    if torch.compiler.is_compiling():
+        # Dynamo would trace into the frame and its hooks, and the recompute in backward (run
+        # eagerly) would then not match the traced forward. A graph break here runs the
+        # checkpoint, and the layer inside it, eagerly; the code around it stays compiled.
+        run: Any = torch.compiler.disable(checkpoint)  # type: ignore[no-untyped-call]
+        return run(  # type: ignore[no-any-return]
+            function, *args, store=store, use_reentrant=use_reentrant, context_fn=context_fn,
+            determinism_check=determinism_check, debug=debug, early_stop=early_stop,
+            preserve_rng_state=preserve_rng_state, **kwargs,
+        )  # fmt: skip
     _check_reentrant(use_reentrant)
     inner, bound_args, bound_kwargs = _unwrap(function)
     key = id(_owner(inner, bound_args))
