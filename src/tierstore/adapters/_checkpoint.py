@@ -19,17 +19,6 @@ Note: [Inputs live in the store]
     autograd does. Tensors among keyword arguments, inside containers and bound in a
     ``functools.partial`` are inputs too: torch would keep those alive through its closure.
 
-Note: [Checkpoint without recursion]
-    Hugging Face layers checkpoint themselves (their ``forward`` hands ``partial(forward, self)``
-    to the checkpoint function), and users wrap a module's forward with a function that calls
-    ``checkpoint(module, ...)``. Either way the function may call back into ``checkpoint`` for
-    the same module while it runs, and a naive implementation recurses without end. While a
-    module's function runs under ``checkpoint`` (in forward or in the backward recompute), a
-    nested ``checkpoint`` of that same module runs it directly, and where the module's
-    ``forward`` was replaced on the instance, runs the class's own ``forward``. Each layer is
-    thus checkpointed once and computed exactly once per forward and once per recompute.
-    Checkpoints of different functions nest as in torch.
-
 Note: [Stores are independent]
     Checkpoints into different stores share nothing. Each store has its own table of stored
     storages: with one table for the process, ``checkpoint(f, x, store=B)`` after
@@ -42,8 +31,6 @@ Note: [Stores are independent]
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import threading
 import warnings
 import weakref
@@ -56,6 +43,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._device import DeviceContext
 
 from tierstore.adapters._common import min_bytes_of, resolve_store
+from tierstore.adapters._reentry import is_running, marked, owner_of, run_directly, unwrap
 from tierstore.adapters._storage import Saved, StorageTable
 
 if TYPE_CHECKING:
@@ -92,61 +80,6 @@ def _last_frames() -> weakref.WeakKeyDictionary[TieredStore, weakref.ref[_StoreF
     if frames is None:
         frames = _local.last_frames = weakref.WeakKeyDictionary()
     return frames
-
-
-def _running() -> dict[int, int]:
-    running: dict[int, int] | None = getattr(_local, "running", None)
-    if running is None:
-        running = _local.running = {}
-    return running
-
-
-@contextlib.contextmanager
-def _marked(key: int) -> Iterator[None]:
-    running = _running()
-    running[key] = running.get(key, 0) + 1
-    try:
-        yield
-    finally:
-        running[key] -= 1
-        if not running[key]:
-            del running[key]
-
-
-def _unwrap(
-    function: Callable[..., Any],
-) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    """Peel ``functools.partial`` layers so their bound tensors become visible inputs."""
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = {}
-    while isinstance(function, functools.partial):
-        args = function.args + args
-        kwargs = {**function.keywords, **kwargs}
-        function = function.func
-    return function, args, kwargs
-
-
-def _owner(function: Callable[..., Any], args: tuple[Any, ...]) -> object:
-    """The module a function runs (for Note: [Checkpoint without recursion]), else itself."""
-    if isinstance(function, torch.nn.Module):
-        return function
-    bound = getattr(function, "__self__", None)
-    if isinstance(bound, torch.nn.Module):
-        return bound
-    if args and isinstance(args[0], torch.nn.Module) and inspect.isfunction(function):
-        # partial(forward, layer): how Hugging Face layers checkpoint themselves.
-        return args[0]
-    return function
-
-
-def _run_directly(
-    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    if isinstance(function, torch.nn.Module) and "forward" in function.__dict__:
-        # The instance's forward was replaced by a wrapper that checkpoints this very module:
-        # calling the module again would enter the wrapper again. Run the class's forward.
-        return type(function).forward(function, *args, **kwargs)
-    return function(*args, **kwargs)
 
 
 class _Input:
@@ -284,7 +217,7 @@ def _frames(
                 torch.amp.autocast("cpu", **cpu_autocast),
                 recompute_context,
                 device_ctx,
-                _marked(key),
+                marked(key),
             ):
                 function(*args, **kwargs)
 
@@ -390,10 +323,10 @@ def checkpoint(
             preserve_rng_state=preserve_rng_state, **kwargs,
         )  # fmt: skip
     _check_reentrant(use_reentrant)
-    inner, bound_args, bound_kwargs = _unwrap(function)
-    key = id(_owner(inner, bound_args))
-    if key in _running():
-        return _run_directly(function, args, kwargs)  # type: ignore[no-any-return]
+    inner, bound_args, bound_kwargs = unwrap(function)
+    key = id(owner_of(inner, bound_args))
+    if is_running(key):
+        return run_directly(function, args, kwargs)  # type: ignore[no-any-return]
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     resolved = resolve_store(store)
@@ -403,7 +336,7 @@ def checkpoint(
         determinism_check, debug, early_stop,
     )  # fmt: skip
     next(frames)
-    with _marked(key):
+    with marked(key):
         out = inner(*(bound_args + args), **{**bound_kwargs, **kwargs})
     with contextlib.suppress(StopIteration):
         next(frames)

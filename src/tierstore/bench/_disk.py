@@ -40,48 +40,22 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from tierstore._malloc import trim_now
+from tierstore.bench._disk_table import Row, print_table, size_name
 from tierstore.bench._paths import PATHS, Context, Timing
 from tierstore.bench._system import PageCache, RawLimit, machine_facts, measure_raw_limit
 from tierstore.config import StoreConfig, parse_size
 
 __all__ = ["DiskRun", "main", "parser", "print_table", "sweep", "workdirs"]
 
-Row = dict[str, Any]
-"""One result: engine, op, size_bytes, gbps_min, gbps_median, gbps_max."""
-
 DEFAULT_SIZES = "64KiB,1MiB,16MiB,256MiB"
 DEFAULT_TOTAL = "2GiB"
 DEFAULT_ENGINES = ("raw-limit", *PATHS)
 MAX_TENSORS = 4096
 """At most this many tensors per measurement, so small sizes do not take minutes per file path."""
-
-RATIOS = (
-    ("tierstore-raw", "write", "raw-limit"),
-    ("tierstore-raw", "read", "raw-limit"),
-    ("tierstore-raw-steady", "write", "raw-limit-overwrite"),
-    ("tierstore-raw-steady", "read", "raw-limit"),
-    ("tierstore-raw", "write", "torch.save"),
-    ("tierstore-raw", "read", "torch.save"),
-    ("tierstore-raw-steady", "write", "torch.save"),
-    ("tierstore-raw-steady", "read", "torch.save"),
-    ("raw-engine", "write", "raw-limit"),
-    ("raw-engine", "read", "raw-limit"),
-)
-"""(ours, op, reference) pairs whose median ratios the table ends with. The steady round's
-writes compare with fio overwriting its file (Note: [First spill and steady state]); every
-torch.save round writes new files, in training as here."""
-
-
-def _size_name(n: int) -> str:
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= factor and n % factor == 0:
-            return f"{n // factor}{unit}"
-    return f"{n}B"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -238,12 +212,12 @@ def sweep(
         gb = nbytes / 1e9
         for _ in range(repeats):
             if "raw-limit" in engines:
-                progress(f"raw-limit {_size_name(size)}")
+                progress(f"raw-limit {size_name(size)}")
                 limit = measure_raw_limit(d1, min(max(total, 16 << 20), 1 << 30))
                 limits.append(limit)
                 limit_by_size.setdefault(size, []).append(limit)
             for name in paths:
-                progress(f"{name} {_size_name(size)} x{len(tensors)}")
+                progress(f"{name} {size_name(size)} x{len(tensors)}")
                 _hand_back_free_memory()
                 timing: Timing = PATHS[name](ctx, tensors)
                 rounds = [(name, timing)]
@@ -255,15 +229,15 @@ def sweep(
                     cpu.setdefault((label, "write", size), []).append(t.write_cpu_s / gb)
                     cpu.setdefault((label, "read", size), []).append(t.read_cpu_s / gb)
                     if t.cached_delta_bytes is not None:
-                        cached.setdefault(f"{label} {_size_name(size)}", []).append(
+                        cached.setdefault(f"{label} {size_name(size)}", []).append(
                             t.cached_delta_bytes
                         )
                     if size == min(sizes):
                         per = (t.write_s + t.read_s) / len(tensors) * 1e6
-                        us_per_tensor.setdefault(f"{label} {_size_name(size)}", []).append(per)
+                        us_per_tensor.setdefault(f"{label} {size_name(size)}", []).append(per)
                 if timing.stats:
                     # The last repeat's store at each size; its stats cover both rounds.
-                    summaries[f"{name} {_size_name(size)}"] = timing.stats
+                    summaries[f"{name} {size_name(size)}"] = timing.stats
         del tensors
 
     results: list[Row] = []
@@ -365,70 +339,6 @@ def _result(
         # tool does not report it.
         "cpu_s_per_gb": None if cpu is None or math.isnan(cpu) else round(cpu, 4),
     }
-
-
-def print_table(
-    results: list[Row],
-    sizes: list[int],
-    machine: dict[str, object],
-    summaries: dict[str, str],
-) -> None:
-    print(
-        f"machine: {machine['cpus']} CPUs, {machine['filesystem']}, kernel {machine['kernel']}, "
-        f"O_DIRECT {'yes' if machine['o_direct'] else 'no'}"
-    )
-    print(f"raw limit: {machine['raw_limit_tool'] or 'not measured'}")
-    print(f"page cache: {machine['page_cache']}")
-    print()
-    head = f"{'engine':<26}{'size':>8}  {'write GB/s min/med/max':>24}"
-    print(f"{head}  {'read GB/s min/med/max':>24}  {'CPU s/GB write read':>20}")
-    by_key = {(r["engine"], r["op"], r["size_bytes"]): r for r in results}
-    engines = list(dict.fromkeys(str(r["engine"]) for r in results))
-    for size in sizes:
-        for name in engines:
-            w = by_key.get((name, "write", size))
-            r = by_key.get((name, "read", size))
-            if w is None and r is None:
-                continue
-            print(
-                f"{name:<26}{_size_name(size):>8}  {_triple(w):>24}  {_triple(r):>24}"
-                f"  {_cpu(w):>10}{_cpu(r):>10}"
-            )
-        print()
-    for size in sizes:
-        lines = []
-        for name, op, ref in RATIOS:
-            ours = by_key.get((name, op, size))
-            other = by_key.get((ref, op, size))
-            if ours is not None and other is not None:
-                ratio = ours["gbps_median"] / max(other["gbps_median"], 1e-9)
-                lines.append(f"{name} {op} = {ratio:.2f}x {ref}")
-        if lines:
-            print(f"ratios of medians at {_size_name(size)}: " + "; ".join(lines))
-    cached = machine.get("cached_growth_while_spilling_bytes")
-    if isinstance(cached, dict) and cached:
-        print(
-            "page cache growth while spilling (Cached in /proc/meminfo, median): "
-            + ", ".join(f"{k} {v / (1 << 20):+.1f} MiB" for k, v in cached.items())
-        )
-    per = machine.get("put_get_us_per_tensor")
-    if isinstance(per, dict) and per:
-        print(
-            "write+read per tensor (us, median): " + ", ".join(f"{k} {v}" for k, v in per.items())
-        )
-    for name, summary in summaries.items():
-        print(f"{name} stats (last repeat, both rounds): {summary}")
-
-
-def _cpu(r: Row | None) -> str:
-    value = r.get("cpu_s_per_gb") if r is not None else None
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _triple(r: Row | None) -> str:
-    if r is None:
-        return "-"
-    return f"{r['gbps_min']:.2f}/{r['gbps_median']:.2f}/{r['gbps_max']:.2f}"
 
 
 if __name__ == "__main__":
