@@ -245,3 +245,17 @@ def test_the_disk_offloader_baseline_trains_exactly_and_cleans_up(tmp_path: Path
     assert list(offloader.directory.iterdir()) == []  # every file deleted after use
     offloader.close()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["disk", "--help"]])
+def test_help_describes_each_command_in_plain_text(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tierstore.bench import __main__ as bench
+
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(argv)
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "``" not in help_text
+    assert "tierstore-bench" in help_text

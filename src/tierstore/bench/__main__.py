@@ -57,7 +57,7 @@ DEFAULT_PLOT = Path("tierstore-bench.png")
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tierstore-bench",
-        description=__doc__.splitlines()[0].strip("`"),
+        description=__doc__.splitlines()[0].replace("``", ""),
         epilog="Subcommands: 'disk' (the disk sweep) and 'train' (the training-step "
         "benchmark) take their own options; see 'tierstore-bench disk --help'.",
     )

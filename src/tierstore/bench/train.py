@@ -222,7 +222,7 @@ def spill_parent(path: str | None) -> Iterator[str]:
 def parser() -> argparse.ArgumentParser:
     """The options of ``tierstore-bench train``; defaults are the model measured in docs."""
     p = argparse.ArgumentParser(
-        prog="tierstore-bench train", description=__doc__.splitlines()[0].strip("`")
+        prog="tierstore-bench train", description=__doc__.splitlines()[0].replace("``", "")
     )
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {MODES}")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
