@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from tierstore._handle import TensorHandle
 from tierstore._state import TensorState, Tier
-from tierstore._stats import StoreStats, TierStats
+from tierstore._stats import StepStats, StoreStats, TierStats
 from tierstore._store import AsyncTieredStore
 from tierstore._sync import TieredStore, default_store
 from tierstore.adapters import checkpoint, checkpoint_sequential, no_offload, offload_activations
@@ -42,6 +42,7 @@ __all__ = [
     "CorruptTensorError",
     "IllegalTransitionError",
     "SpillIOError",
+    "StepStats",
     "StoreClosedError",
     "StoreConfig",
     "StoreStats",

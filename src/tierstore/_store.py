@@ -12,6 +12,7 @@ import torch
 from tierstore import _registry
 from tierstore.config import StoreConfig, check_timeout
 from tierstore.core import StoreCore
+from tierstore.core._steps import check_step_number, warn_nothing_offloaded
 from tierstore.errors import StoreClosedError, TierFullError, WrongThreadError
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
     from tierstore._handle import TensorHandle
     from tierstore._state import TensorState, Tier
-    from tierstore._stats import StoreStats
+    from tierstore._stats import StepStats, StoreStats
 
 __all__ = ["AsyncTieredStore", "resolve_config"]
 
@@ -142,6 +143,24 @@ class AsyncTieredStore:
     async def stats(self) -> StoreStats:
         """A frozen :class:`~tierstore.StoreStats` snapshot."""
         return self._bound().stats()
+
+    async def step_stats(self, step: int | None = None) -> StepStats:
+        """The current step so far; see :meth:`tierstore.TieredStore.step_stats`."""
+        return self._bound().step_stats(check_step_number(step), end=False)
+
+    async def end_step(self, step: int | None = None) -> StepStats:
+        """End a training step; see :meth:`tierstore.TieredStore.end_step`."""
+        stats = self._bound().step_stats(check_step_number(step), end=True)
+        if stats.puts == 0:
+            warn_nothing_offloaded(
+                self,
+                f"step {stats.step}",
+                stats.skipped,
+                stats.skipped_bytes,
+                self.config.min_bytes,
+                stacklevel=2,
+            )
+        return stats
 
     def note_skipped(self, reason: str, nbytes: int) -> None:
         """Count a tensor an adapter chose not to store (shows in ``stats().skipped``)."""

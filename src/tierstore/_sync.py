@@ -27,6 +27,7 @@ from tierstore import _registry
 from tierstore._store import resolve_config
 from tierstore.config import check_timeout
 from tierstore.core import StoreCore
+from tierstore.core._steps import check_step_number, warn_nothing_offloaded
 from tierstore.errors import (
     StoreClosedError,
     StoreTimeoutError,
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
     from tierstore._handle import TensorHandle
     from tierstore._state import TensorState, Tier
-    from tierstore._stats import StoreStats
+    from tierstore._stats import StepStats, StoreStats
     from tierstore.config import StoreConfig
 
 __all__ = ["TieredStore", "default_store"]
@@ -231,6 +232,47 @@ class TieredStore:
     def stats(self) -> StoreStats:
         """A frozen snapshot: bytes and counts per tier, bytes moved, time spent, waits."""
         return self._live().stats()
+
+    def step_stats(self, step: int | None = None) -> StepStats:
+        """The current training step so far: what the store did since the last
+        :meth:`end_step` (or since it opened) and the peaks since then; starts nothing.
+
+        Args:
+            step: the number to give it (default: one more than the last step's).
+
+        Raises:
+            ValueError: ``step`` is not a non-negative integer or None.
+        """
+        return self._live().step_stats(check_step_number(step), end=False)
+
+    def end_step(self, step: int | None = None) -> StepStats:
+        """End a training step: its :class:`~tierstore.StepStats`, then the next step counts
+        from here (its peaks start at what the tiers hold now).
+
+        Call it once per optimizer step; ``print(store.end_step())`` prints one line, e.g.
+        ``tierstore: step 12 offloaded 3.1 GiB (host 2.0, disk 1.1), peak off-device 2.9
+        GiB, backward waited 0.04 s, skipped 12 MiB (parameters 10, small 2.0)``. A step that
+        stored nothing warns once per store (``RuntimeWarning``), saying what was left in
+        place and why.
+
+        Args:
+            step: the step's number, such as the trainer's global step (default: one more
+                than the last).
+
+        Raises:
+            ValueError: ``step`` is not a non-negative integer or None.
+        """
+        stats = self._live().step_stats(check_step_number(step), end=True)
+        if stats.puts == 0:
+            warn_nothing_offloaded(
+                self,
+                f"step {stats.step}",
+                stats.skipped,
+                stats.skipped_bytes,
+                self.config.min_bytes,
+                stacklevel=2,
+            )
+        return stats
 
     def note_skipped(self, reason: str, nbytes: int) -> None:
         """Count a tensor an adapter chose not to store (shows in ``stats().skipped``)."""

@@ -366,7 +366,11 @@ def test_unsupported_tensors_stay_and_are_counted(store_factory: StoreFactory) -
     store = store_factory("disk")
     sparse = torch.randn(64, 64).relu().to_sparse()
     dense = torch.randn(64, 32, requires_grad=True)
-    with tierstore.offload_activations(store):
+    # Nothing else is saved, so the block stored nothing, and says why.
+    with (
+        pytest.warns(RuntimeWarning, match=r"stored nothing.*unsupported 1"),
+        tierstore.offload_activations(store),
+    ):
         loss = torch.sparse.mm(sparse, dense).sum()  # saves the sparse operand
     assert store.stats().skipped.get("unsupported", 0) >= 1
     loss.backward()
@@ -376,9 +380,16 @@ def test_unsupported_tensors_stay_and_are_counted(store_factory: StoreFactory) -
 def test_no_room_keeps_the_tensor_counts_and_warns_once(store_factory: StoreFactory) -> None:
     store = store_factory("disk", disk_bytes=0)
     expected = train_steps(None)
-    with pytest.warns(RuntimeWarning, match="no tier had room") as record:
+    # The inner block passes on what it does not match: every step stored nothing, which is
+    # said once too, with the reason and what to raise.
+    with (
+        pytest.warns(RuntimeWarning, match="stored nothing") as outer,
+        pytest.warns(RuntimeWarning, match="no tier had room") as record,
+    ):
         got = train_steps(store)
     assert len([w for w in record if "no tier had room" in str(w.message)]) == 1
+    nothing = [str(w.message) for w in outer if "stored nothing" in str(w.message)]
+    assert len(nothing) == 1 and "no room" in nothing[0] and "TIERSTORE_HOST_BYTES" in nothing[0]
     assert_equal_tensors(expected, got)
     stats = store.stats()
     assert stats.puts == 0

@@ -22,6 +22,7 @@ Note: [Buffers are found on the stack]
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
@@ -33,9 +34,12 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from tierstore.adapters._common import check_min_bytes, min_bytes_of, resolve_store, untraced
 from tierstore.adapters._storage import Saved, StorageTable, Stored
+from tierstore.core._steps import warn_nothing_offloaded
+from tierstore.errors import TierStoreError
 
 if TYPE_CHECKING:
     from tierstore._handle import TensorHandle
+    from tierstore._stats import StoreStats
     from tierstore._sync import TieredStore
 
 __all__ = ["offload_activations"]
@@ -59,7 +63,9 @@ class _Session:
         "_order",
         "min_bytes",
         "prefetch_bytes",
+        "saved",
         "store",
+        "stored",
         "table",
     )
 
@@ -78,17 +84,51 @@ class _Session:
         # Modules whose buffers the table already excludes (Note: [Buffers are found on
         # the stack]); weak, as the table's own references.
         self._modules_seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        # Tensors autograd saved in the block, and those the store holds (Note: [Say when
+        # offloading does nothing]); approximate when several threads share the block.
+        self.saved = self.stored = 0
 
     # -- forward ---------------------------------------------------------------------------
 
     def pack(self, t: torch.Tensor) -> Saved | torch.Tensor:
+        self.saved += 1
         if (
             t.grad_fn is None
             and not t.requires_grad
             and t.numel() * t.element_size() >= self.min_bytes
         ):
             self._exclude_buffers_on_stack()
-        return self.table.offload(self.store, t, self.min_bytes, self._number)
+        packed = self.table.offload(self.store, t, self.min_bytes, self._number)
+        if isinstance(packed, Saved):
+            self.stored += 1
+        return packed
+
+    def check_stored(self, before: StoreStats) -> None:
+        """Warn once per store if the block stored nothing (Note: [Say when offloading does
+        nothing]). ``before``: the store's stats when the block began."""
+        if self.stored:
+            return
+        try:
+            now = self.store.stats()
+        except TierStoreError:
+            return  # closed during the block: its own error says enough
+        if now.puts > before.puts:
+            return  # stored through another path in the block (tierstore.checkpoint)
+        skipped = {r: n - before.skipped.get(r, 0) for r, n in now.skipped.items()}
+        skipped = {r: n for r, n in skipped.items() if n}
+        if self.saved and not skipped:
+            return  # only empty tensors, or storages stored by an earlier block
+        skipped_bytes = {
+            r: now.skipped_bytes.get(r, 0) - before.skipped_bytes.get(r, 0) for r in skipped
+        }
+        warn_nothing_offloaded(
+            self.store,
+            "an offload_activations block",
+            skipped,
+            skipped_bytes,
+            self.min_bytes,
+            stacklevel=3,
+        )
 
     def _exclude_buffers_on_stack(self) -> None:
         """Exclude the buffers of the modules being called (Note: [Buffers are found on the
@@ -174,6 +214,10 @@ class offload_activations:
         min_bytes: tensors smaller than this many bytes stay where they are. Default ``None``:
             the store's ``min_bytes`` (``TIERSTORE_MIN_BYTES``, 1 MiB unless configured).
 
+    A block entered with gradients on that stores nothing (every tensor was skipped, or
+    nothing was saved) warns once per store with a ``RuntimeWarning`` saying why (Note: [Say
+    when offloading does nothing]).
+
     Raises:
         ValueError: ``min_bytes`` is negative or not an integer.
 
@@ -197,8 +241,10 @@ class offload_activations:
         # on several threads at once.
         self._local = threading.local()
 
-    def _active(self) -> list[saved_tensors_hooks]:
-        active: list[saved_tensors_hooks] | None = getattr(self._local, "active", None)
+    def _active(self) -> list[tuple[saved_tensors_hooks, _Session, StoreStats | None]]:
+        active: list[tuple[saved_tensors_hooks, _Session, StoreStats | None]] | None = getattr(
+            self._local, "active", None
+        )
         if active is None:
             active = self._local.active = []
         return active
@@ -218,8 +264,18 @@ class offload_activations:
         # A refusal (torch disables saved-tensor hooks under some compilers and checkpoint
         # modes) raises here and leaves nothing behind.
         hooks.__enter__()
-        self._active().append(hooks)
+        # Only a block that could save tensors for backward is expected to store something:
+        # not one under no_grad (evaluation), nor one over a store without stats (a stand-in).
+        stats = getattr(store, "stats", None)
+        before = None
+        if torch.is_grad_enabled() and callable(stats):
+            with contextlib.suppress(TierStoreError):  # a closed store raises at put, as before
+                before = stats()
+        self._active().append((hooks, session, before))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._active().pop().__exit__(*exc_info)
+        hooks, session, before = self._active().pop()
+        hooks.__exit__(*exc_info)
+        if before is not None and exc_info[0] is None:
+            session.check_stored(before)

@@ -34,6 +34,7 @@ from tierstore.core._handoff import HandOff
 from tierstore.core._prefetch import PrefetchWalk, newest_first_within
 from tierstore.core._reads import read_now
 from tierstore.core._save_semaphore import SaveSemaphore
+from tierstore.core._steps import Steps
 from tierstore.core._transfers import Transfers
 from tierstore.errors import StoreClosedError, TierFullError
 from tierstore.tiers._device import current_stream, hand_over, ready_event
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     import torch
 
     from tierstore._handle import TensorHandle
-    from tierstore._stats import StoreStats
+    from tierstore._stats import StepStats, StoreStats
     from tierstore.config import StoreConfig
     from tierstore.tiers import DiskEngine
 
@@ -105,6 +106,7 @@ class StoreCore:
         self.pinned = PinnedPool(config.host_bytes)
         self.disk_tier = open_disk_tier(config)
         self.disk = DiskRoom(self.disk_tier.engine, self.disk_tier.capacity, config.disk_dirs)
+        self.steps = Steps(self._snapshot_locked())
 
     @property
     def engine(self) -> DiskEngine | None:
@@ -367,7 +369,19 @@ class StoreCore:
             live_entries=len(self.table.entries),
             inflight_bytes=self.semaphore.inflight,
             disk_available=self.disk.recheck(),
+            table=self.table,
         )
+
+    def step_stats(self, step: int | None, *, end: bool) -> StepStats:
+        """The step so far, numbered ``step`` (default: one more than the last); with
+        ``end``, the next step starts now, its counts and peaks from here."""
+        with self.lock:
+            self.drain_dropped()
+            now = self._snapshot_locked()
+            result = self.steps.stats(now, self.table, step)
+            if end:
+                self.steps.advance(now, self.table, result.step)
+            return result
 
     def waiting(self, kind: Literal["get", "put"]) -> contextlib.AbstractContextManager[None]:
         """Count the time the block takes as a ``get`` or ``put`` waiting (also when it

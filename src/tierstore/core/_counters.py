@@ -55,8 +55,10 @@ class Counters:
         live_entries: int,
         inflight_bytes: int,
         disk_available: bool,
+        table: EntryTable,
     ) -> StoreStats:
-        """These counters with the tiers' snapshots and the figures of the moment."""
+        """These counters with the tiers' snapshots, the figures of the moment, and what
+        ``table`` counts of moves off the device."""
         return StoreStats(
             device=tiers[Tier.DEVICE],
             host=tiers[Tier.HOST],
@@ -85,6 +87,9 @@ class Counters:
             write_errors=self.write_errors,
             read_errors=self.read_errors,
             disk_available=disk_available,
+            bytes_offloaded=table.offloaded,
+            off_device_bytes=table.off_device,
+            peak_off_device_bytes=table.peak_off_device,
         )
 
 
@@ -97,6 +102,7 @@ def tier_stats(table: EntryTable, capacities: dict[Tier, int]) -> dict[Tier, Tie
             capacity=capacities[t],
             total_entries=table.total_entries[t],
             total_bytes=table.total_bytes[t],
+            peak_bytes=table.peak[t],
         )
         for t in Tier
     }

@@ -146,6 +146,13 @@ class EntryTable:
             tier's room as soon as a copy starts, not when it lands.
         window: bytes of fetched and fetching copies (the prefetch window's use).
         total_entries, total_bytes: copies and bytes ever placed in each tier.
+        peak, step_peak: the most bytes each tier held at once, since the table was made and
+            since :meth:`start_step`.
+        off_device: bytes of entries whose only copies are in the host tier or on disk, each
+            entry counted once (Note: [Off the device]); ``peak_off_device`` and
+            ``step_peak_off_device`` are its peaks.
+        offloaded: bytes of entries that moved from the device into the host tier, each
+            entry counted once.
         in_transit: released or failed entries whose I/O is still finishing; their bytes
             still count until the task moving them frees them.
     """
@@ -161,6 +168,10 @@ class EntryTable:
         self.window = 0
         self.total_entries = dict.fromkeys(Tier, 0)
         self.total_bytes = dict.fromkeys(Tier, 0)
+        self.peak = dict.fromkeys(Tier, 0)
+        self.step_peak = dict.fromkeys(Tier, 0)
+        self.off_device = self.peak_off_device = self.step_peak_off_device = 0
+        self.offloaded = 0
         self.in_transit: set[Entry] = set()
         # Keys of entries resting in DEVICE (movable ones) and HOST, as min-heaps. A key stays
         # when its entry leaves (lazy deletion): readers skip it, and it is dropped once it
@@ -201,25 +212,53 @@ class EntryTable:
     def set_copy(self, e: Entry, copy: Copy, t: torch.Tensor | None) -> None:
         """Replace one of ``e``'s in-memory copies (None: drop it), counting it in its tier."""
         tier = _COPY_TIER[copy]
+        was = _off_device(e)
         if getattr(e, copy) is not None:
             self._vacate(tier, e.nbytes)
         if t is not None:
             self._occupy(tier, e.nbytes)
         setattr(e, copy, t)
+        if _off_device(e) is not was:
+            # Dropping the device copy of an entry the host tier holds is its move down.
+            self._off_device_changed(e, offload=copy == "data")
 
     def set_disk(self, e: Entry, footprint: int) -> None:
         """Set the spill bytes ``e`` occupies (0: none)."""
+        was = _off_device(e)
         if e.disk:
             self._vacate(Tier.DISK, e.disk)
         if footprint:
             self._occupy(Tier.DISK, footprint)
         e.disk = footprint
+        if _off_device(e) is not was:
+            self._off_device_changed(e, offload=False)
+
+    def _off_device_changed(self, e: Entry, *, offload: bool) -> None:
+        """``e`` just went off the device, or came back (Note: [Off the device])."""
+        if not _off_device(e):
+            self.off_device -= e.nbytes
+            return
+        if offload:
+            self.offloaded += e.nbytes
+        off = self.off_device = self.off_device + e.nbytes
+        if off > self.step_peak_off_device:
+            self.step_peak_off_device = off
+            self.peak_off_device = max(self.peak_off_device, off)
+
+    def start_step(self) -> None:
+        """Begin a step's peaks at what the tiers hold now: held at the boundary, held in it."""
+        self.step_peak = dict(self.used)
+        self.step_peak_off_device = self.off_device
 
     def _occupy(self, tier: Tier, nbytes: int) -> None:
-        self.used[tier] += nbytes
+        used = self.used[tier] = self.used[tier] + nbytes
         self.count[tier] += 1
         self.total_entries[tier] += 1
         self.total_bytes[tier] += nbytes
+        # The step's peak never exceeds the store's: it starts from what is held now.
+        if used > self.step_peak[tier]:
+            self.step_peak[tier] = used
+            self.peak[tier] = max(self.peak[tier], used)
 
     def _vacate(self, tier: Tier, nbytes: int) -> None:
         self.used[tier] -= nbytes
@@ -285,15 +324,17 @@ class EntryTable:
         if e.host is not None or e.data is not None:
             trim_soon()  # Note: [Returning host memory]
         self.in_transit.discard(e)
-        self.set_copy(e, "data", None)
+        # Home copies first: dropping a device copy while a home copy is left would count the
+        # entry off the device for a moment (Note: [Off the device]).
         self.set_copy(e, "host", None)
-        if e.fetched is not None:
-            discard(e.fetched)  # an upload nobody took (Note: [Copy ordering on an accelerator])
-        self.set_copy(e, "fetched", None)
         if e.disk:
             footprint = e.disk
             self.set_disk(e, 0)
             self._spill_freed(e.key, footprint)
+        self.set_copy(e, "data", None)
+        if e.fetched is not None:
+            discard(e.fetched)  # an upload nobody took (Note: [Copy ordering on an accelerator])
+        self.set_copy(e, "fetched", None)
         e.ready = None
 
     def drop_all(self) -> None:
@@ -310,6 +351,7 @@ class EntryTable:
         self.entries.clear()
         self.live_keys.clear()
         self.in_transit.clear()
+        self.off_device = 0
 
     def resting_oldest_first(self, tier: Tier) -> Iterator[Entry]:
         """The entries resting in ``tier`` (movable ones on the device), oldest first.
@@ -331,6 +373,21 @@ class EntryTable:
             if e is not None and e.state is state and key not in seen:
                 seen.add(key)
                 yield e
+
+
+def _off_device(e: Entry) -> bool:
+    """Whether ``e``'s bytes are off the device: only home copies (host, disk) exist.
+
+    Note: [Off the device]
+        What the store saves the device is the bytes of entries with no copy on it: in the
+        host tier, on disk, or both at once while a spill runs (counted once, by the entry's
+        own bytes). A fetched copy waiting for get is back on the device; once get has taken
+        it the entry counts as off again, since the store holds only its home copy. A CPU
+        tensor in the host tier counts too: the host tier holds the tensor itself, so on a
+        CPU-only machine this is what the store moved out of the device tier, which is device
+        memory wherever there is an accelerator.
+    """
+    return e.data is None and e.fetched is None and (e.host is not None or e.disk > 0)
 
 
 def in_order(heap: list[int]) -> Iterator[int]:

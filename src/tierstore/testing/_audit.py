@@ -45,4 +45,11 @@ def audit_core(core: StoreCore) -> dict[str, int]:
         window = sum(e.nbytes for e in live if e.state in WINDOW)
         assert window == table.window, (window, table.window)
         assert table.live_keys == sorted(table.entries), "live key list out of order"
+        # Note: [Off the device]: each entry once, when its only copies are home copies.
+        off = sum(
+            e.nbytes
+            for e in set(live) | table.in_transit
+            if e.data is None and e.fetched is None and (e.host is not None or e.disk)
+        )
+        assert off == table.off_device, f"off-device bytes {table.off_device} != entries {off}"
         return {t.value: n for t, n in used.items()}
