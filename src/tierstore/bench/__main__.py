@@ -128,10 +128,10 @@ def headline(disk: list[dict[str, Any]], report: train.Report) -> str:
         return float(row["gbps_median"]) if row else float("nan")
 
     lines = [
-        "How fast this store spills and reads back here (GB/s, median of "
-        f"{QUICK_REPEATS}; {QUICK_TOTAL // MiB} MiB per run, host tier empty; steady state,",
-        "as in every training step after the first: spills reuse space freed before, and the",
-        "disk limit is fio overwriting its file):",
+        f"How fast this store spills and reads back here (GB/s, median of {QUICK_REPEATS};",
+        f"{QUICK_TOTAL // MiB} MiB per run, host tier empty; steady state, as in every training",
+        "step after the first: spills reuse space freed before, and the disk limit is fio",
+        "overwriting its file):",
         f"{'tensor':>8}  {'tierstore':>16}  {'raw disk limit':>16}  {'torch.save/load':>16}"
         f"  {'vs disk':>13}  {'vs torch':>13}",
         f"{'':>8}  {'write   read':>16}  {'write   read':>16}  {'write   read':>16}"
