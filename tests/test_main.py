@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import tierstore
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -52,3 +56,72 @@ def test_info_names_a_bad_variable() -> None:
     done = _run("info", env={"TIERSTORE_IO_THREADS": "lots"})
     assert done.returncode == 2
     assert "TIERSTORE_IO_THREADS" in done.stderr
+
+
+def _store_error(parent: Path) -> str:
+    """What a store says about ``parent`` as its spill directory."""
+    with pytest.raises(tierstore.ConfigError) as info:
+        tierstore.TieredStore(disk_dir=parent)
+    return str(info.value)
+
+
+def test_info_fails_as_the_store_does_on_a_bad_spill_directory(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    bad = [tmp_path / "missing", a_file]
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        bad.append(locked)
+    for parent in bad:
+        expected = _store_error(parent)
+        for args in (["info"], ["info", "--json"]):
+            done = _run(*args, env={"TIERSTORE_DISK_DIR": str(parent)})
+            assert done.returncode == 2, (parent, done.stdout)
+            assert expected in done.stderr, (expected, done.stderr)
+
+
+def test_info_shows_the_capacities_a_store_would_have(tmp_path: Path) -> None:
+    env = {"TIERSTORE_DISK_DIR": str(tmp_path), "LOCAL_WORLD_SIZE": "4"}
+    info = json.loads(_run("info", "--json", env=env).stdout)
+    caps, free = info["capacities"], info["disk_dirs"][0]["free_bytes"]
+    assert info["config"]["disk_bytes"] is None
+    assert 0 < caps["disk_bytes"] <= free + 64 * 2**20 and caps["disk_bytes"] == caps[
+        "disk_free_bytes"
+    ]
+    assert caps["host_bytes"] == info["host_default"]["memory_bytes"] // 4 // 4
+    assert "4 ranks" in caps["host_from"]
+    text = _run("info", env=env).stdout
+    assert "disk_bytes           unset: the free space" in text
+    disk = next(ln for ln in text.splitlines() if ln.startswith("  disk   "))
+    assert "B (the free space under the spill directories)" in disk and "None" not in disk
+
+    capped = {"TIERSTORE_DISK_DIR": str(tmp_path), "TIERSTORE_DISK_BYTES": "1000TiB"}
+    text = _run("info", env=capped).stdout
+    assert "(TIERSTORE_DISK_BYTES=1000 TiB, capped at the " in text, text
+    off = _run("info", "--json", env={**capped, "TIERSTORE_DISK_BYTES": "0"}).stdout
+    assert json.loads(off)["capacities"]["disk_bytes"] == 0
+
+
+def test_info_warns_of_a_spill_directory_in_ram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierstore import __main__ as main_module
+    from tierstore import _spilldir
+
+    for var in [v for v in os.environ if v.startswith("TIERSTORE_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("TIERSTORE_DISK_DIR", str(tmp_path))
+    monkeypatch.setattr(_spilldir, "_fs_magic", lambda path: 0x858458F6)
+    facts = main_module.collect_info()
+    assert facts["disk_dirs"][0]["in_ram"] == "ramfs"  # type: ignore[index]
+    monkeypatch.undo()
+    shm = Path("/dev/shm")
+    if _spilldir.ram_filesystem(shm) != "tmpfs" or not os.access(shm, os.W_OK):
+        pytest.skip("no writable tmpfs at /dev/shm")
+    done = _run("info", env={"TIERSTORE_DISK_DIR": str(shm)})
+    assert done.returncode == 0, done.stderr
+    assert f"warning: TIERSTORE_DISK_DIR '{shm}' is on tmpfs" in done.stdout
+    assert json.loads(_run("info", "--json", env={"TIERSTORE_DISK_DIR": str(shm)}).stdout)[
+        "disk_dirs"
+    ][0]["in_ram"] == "tmpfs"

@@ -10,10 +10,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tierstore._spilldir import in_ram_message
+from tierstore._stats import format_size
+
+if TYPE_CHECKING:
+    from tierstore.config import StoreConfig
 
 __all__ = ["collect_info", "main"]
 
@@ -31,11 +39,10 @@ def _pinning() -> tuple[bool, str]:
 
 
 def _directory(path: Path) -> dict[str, object]:
+    from tierstore._spilldir import ram_filesystem
     from tierstore.bench._system import filesystem_of
     from tierstore.tiers.raw import probe_direct_io
 
-    if not path.is_dir():
-        return {"path": str(path), "exists": False}
     usage = shutil.disk_usage(path)
     probe = probe_direct_io(path)
     return {
@@ -46,6 +53,39 @@ def _directory(path: Path) -> dict[str, object]:
         "total_bytes": usage.total,
         "o_direct": probe.supported,
         "o_direct_reason": probe.reason,
+        # tmpfs or ramfs: the "disk" tier would be RAM (None on a real filesystem).
+        "in_ram": ram_filesystem(path),
+    }
+
+
+def _capacities(config: StoreConfig, memory: int, ranks: int) -> dict[str, object]:
+    """The capacities a store opened now would have, and where each comes from."""
+    from tierstore.core._disk_tier import disk_capacity
+
+    disk, free = disk_capacity(config)
+    if "TIERSTORE_HOST_BYTES" in os.environ:
+        host_from = "TIERSTORE_HOST_BYTES"
+    else:
+        share = f" / {ranks} ranks (LOCAL_WORLD_SIZE)" if ranks > 1 else ""
+        host_from = f"a quarter of {format_size(memory)} of memory{share}"
+    if config.disk_bytes == 0:
+        disk_from = "off (TIERSTORE_DISK_BYTES=0)"
+    elif config.disk_bytes is None:
+        disk_from = "the free space under the spill directories"
+    elif config.disk_bytes > free:
+        disk_from = (
+            f"TIERSTORE_DISK_BYTES={format_size(config.disk_bytes)}, capped at the "
+            f"{format_size(free)} free"
+        )
+    else:
+        disk_from = "TIERSTORE_DISK_BYTES"
+    return {
+        "device_bytes": config.device_bytes,
+        "host_bytes": config.host_bytes,
+        "host_from": host_from,
+        "disk_bytes": disk,
+        "disk_free_bytes": free,
+        "disk_from": disk_from,
     }
 
 
@@ -53,7 +93,8 @@ def collect_info() -> dict[str, object]:
     """Everything ``info`` prints, as a JSON-ready dict.
 
     Raises:
-        ConfigError: a ``TIERSTORE_*`` variable is invalid.
+        ConfigError: a ``TIERSTORE_*`` variable is invalid, or a spill directory cannot be
+            used (missing, not a directory, not writable): the error a store would raise.
     """
     import google_crc32c
     import numpy
@@ -61,11 +102,14 @@ def collect_info() -> dict[str, object]:
     import zarr
 
     import tierstore
+    from tierstore._spilldir import check_parent
     from tierstore.config import StoreConfig, _local_ranks, _physical_memory_bytes
     from tierstore.tiers import _accelerator
     from tierstore.tiers._checksum import IMPLEMENTATION
 
     config = StoreConfig.from_env()
+    for parent in config.disk_dirs:
+        check_parent(parent)  # as a store checks it when it opens
     memory, ranks = _physical_memory_bytes(), _local_ranks()
     pinned, why = _pinning()
     kind = _accelerator.accelerator_type()
@@ -93,6 +137,8 @@ def collect_info() -> dict[str, object]:
             "local_world_size": ranks,
             "host_bytes": memory // 4 // ranks,
         },
+        # What a store opened now gets: per store, and so per rank under torchrun.
+        "capacities": _capacities(config, memory, ranks),
         # Named "cuda" for the scripts that read it; "type" says which accelerator it is.
         "cuda": {
             "available": kind is not None,
@@ -114,16 +160,24 @@ def _print(info: dict[str, object]) -> None:
     config = info["config"]
     assert isinstance(config, dict)
     for k, v in config.items():
-        shown = f"{v} ({_binary(v)})" if k.endswith("_bytes") and isinstance(v, int) else v
+        shown = f"{v} ({format_size(v)})" if k.endswith("_bytes") and isinstance(v, int) else v
+        if k == "disk_bytes" and v is None:
+            shown = "unset: the free space (see below)"
         print(f"  {k:<20} {shown}")
     host = info["host_default"]
     assert isinstance(host, dict)
     ranks = host["local_world_size"]
     per_rank = f" / {ranks} ranks on this machine (LOCAL_WORLD_SIZE)" if ranks > 1 else ""
     print(
-        f"default host tier: a quarter of {_binary(host['memory_bytes'])} of memory{per_rank}"
-        f" = {_binary(host['host_bytes'])} per store"
+        f"default host tier: a quarter of {format_size(host['memory_bytes'])} of memory"
+        f"{per_rank} = {format_size(host['host_bytes'])} per store"
     )
+    caps = info["capacities"]
+    assert isinstance(caps, dict)
+    print("capacities of a store opened now (per store, so per rank):")
+    print(f"  device {format_size(caps['device_bytes'])}")
+    print(f"  host   {format_size(caps['host_bytes'])} ({caps['host_from']})")
+    print(f"  disk   {format_size(caps['disk_bytes'])} ({caps['disk_from']})")
     cuda = info["cuda"]
     assert isinstance(cuda, dict)
     print(f"accelerator: {cuda['type'] or 'none'} {cuda['devices'] or ''}")
@@ -133,15 +187,14 @@ def _print(info: dict[str, object]) -> None:
     dirs = info["disk_dirs"]
     assert isinstance(dirs, list)
     for d in dirs:
-        if not d["exists"]:
-            print(f"spill directory {d['path']}: does not exist")
-            continue
         direct = "yes" if d["o_direct"] else f"no ({d['o_direct_reason']})"
         print(
             f"spill directory {d['path']}: {d['filesystem']}, "
-            f"{d['free_bytes'] / 2**30:.1f} GiB free of {d['total_bytes'] / 2**30:.1f} GiB, "
+            f"{format_size(d['free_bytes'])} free of {format_size(d['total_bytes'])}, "
             f"O_DIRECT {direct}"
         )
+        if d["in_ram"]:
+            print(f"  warning: {in_ram_message(Path(d['path']), d['in_ram'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,16 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _print(facts)
     return 0
-
-
-def _binary(n: int) -> str:
-    """``n`` bytes in the largest binary unit that keeps it at least 1 (``5.89 GiB``)."""
-    if n >= (1 << 62):
-        return "unlimited"
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.3g} {unit}"
-    return f"{n} B"
 
 
 if __name__ == "__main__":

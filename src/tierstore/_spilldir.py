@@ -22,20 +22,32 @@ Note: [Starts and sweeps take turns]
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
 import os
+import re
 import secrets
 import shutil
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from tierstore import _registry
+from tierstore._libc import libc_function
 from tierstore.errors import ConfigError
 
-__all__ = ["PREFIX", "SpillDirectory", "check_parent", "sweep_stale"]
+__all__ = [
+    "PREFIX",
+    "SpillDirectory",
+    "check_parent",
+    "in_ram_message",
+    "ram_filesystem",
+    "sweep_stale",
+    "warn_if_in_ram",
+]
 
 log = logging.getLogger("tierstore")
 
@@ -90,6 +102,81 @@ def check_parent(parent: Path) -> None:
             f"path; choose a directory whose path is at most "
             f"{limit - 1 - (longest - len(os.fsencode(parent)))} bytes long"
         )
+
+
+# statfs(2) f_type of the filesystems that keep their files in memory.
+_RAM_MAGIC = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+_RAM_NAMES = frozenset(_RAM_MAGIC.values())
+_statfs = libc_function("statfs", [ctypes.c_char_p, ctypes.c_void_p], ctypes.c_int)
+
+
+def _fs_magic(path: Path) -> int | None:
+    """statfs(2)'s ``f_type`` of ``path``'s filesystem, or None where it cannot be read."""
+    if _statfs is None:
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if _statfs(os.fsencode(path), buf) != 0:
+        return None
+    # f_type is the struct's first field, a machine word on every Linux but s390x (32 bits).
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def _fs_name(path: Path) -> str | None:
+    """The type of the filesystem mounted deepest above ``path``, from /proc/self/mountinfo."""
+    real = os.path.realpath(path)
+    best, name = -1, None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                ours, _, theirs = line.partition(" - ")
+                fields = ours.split()
+                if len(fields) < 5 or not theirs:
+                    continue
+                # Mount points escape space, tab, newline and backslash as octal.
+                mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= best:
+                    best, name = len(mount), theirs.split()[0]
+    except OSError:
+        return None
+    return name
+
+
+def ram_filesystem(path: Path) -> str | None:
+    """``"tmpfs"`` or ``"ramfs"`` when ``path`` is on a filesystem that keeps its files in
+    memory, else None (also when it cannot be told)."""
+    magic = _fs_magic(path)
+    if magic is not None:
+        return _RAM_MAGIC.get(magic)
+    name = _fs_name(path)
+    return name if name in _RAM_NAMES else None
+
+
+def in_ram_message(parent: Path, filesystem: str) -> str:
+    """What to say about a spill directory on a filesystem in memory."""
+    return (
+        f"{_VAR} {str(parent)!r} is on {filesystem}, which keeps its files in memory: "
+        "spilling there puts the disk tier back into RAM. Point TIERSTORE_DISK_DIR at a "
+        "directory on a disk (/var/tmp usually is)"
+    )
+
+
+_warned_in_ram: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_if_in_ram(parent: Path) -> str | None:
+    """Log a warning, once per directory and process, if ``parent`` is on tmpfs or ramfs;
+    return the filesystem's name (each time) or None."""
+    filesystem = ram_filesystem(parent)
+    if filesystem is None:
+        return None
+    with _warned_lock:
+        first = os.path.realpath(parent) not in _warned_in_ram
+        _warned_in_ram.add(os.path.realpath(parent))
+    if first:
+        log.warning("tierstore: %s. (warned once)", in_ram_message(parent, filesystem))
+    return filesystem
 
 
 def _read_only(path: Path) -> bool:

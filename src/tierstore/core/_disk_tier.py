@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tierstore._spilldir import SpillDirectory, check_parent, sweep_stale
+from tierstore._spilldir import SpillDirectory, check_parent, sweep_stale, warn_if_in_ram
+from tierstore._stats import format_size
 from tierstore.core import _disk_room
 from tierstore.tiers import open_engine
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     from tierstore.config import StoreConfig
     from tierstore.tiers import DiskEngine
 
-__all__ = ["DiskTier", "open_disk_tier"]
+__all__ = ["DiskTier", "disk_capacity", "open_disk_tier"]
 
 log = logging.getLogger("tierstore")
 
@@ -43,9 +44,23 @@ class DiskTier:
         self.dirs = []
 
 
+def disk_capacity(config: StoreConfig) -> tuple[int, int]:
+    """The disk tier's capacity a store opened now would have, and the free space it is
+    capped at: ``disk_bytes`` (all the free space when None), never more than what is free
+    for this user under the spill directories; 0 when ``disk_bytes`` is 0.
+
+    ``python -m tierstore info`` shows it too, so the two agree.
+    """
+    if config.disk_bytes == 0:
+        return 0, 0
+    free = _disk_room.free_bytes(config.disk_dirs)
+    return (free if config.disk_bytes is None else min(config.disk_bytes, free)), free
+
+
 def open_disk_tier(config: StoreConfig) -> DiskTier:
     """Check the parents, sweep directories of dead processes, make this store's own, and
-    open the engine over them (none when ``disk_bytes`` is 0).
+    open the engine over them (none when ``disk_bytes`` is 0). A parent on tmpfs or ramfs
+    is warned about, once per directory.
 
     Raises:
         ConfigError: a parent is missing, not a directory, not writable, or too long a path.
@@ -56,14 +71,15 @@ def open_disk_tier(config: StoreConfig) -> DiskTier:
         sweep_stale(parent)
     if config.disk_bytes == 0:
         return DiskTier([], None, 0)
-    free = _disk_room.free_bytes(config.disk_dirs)
-    cap = free if config.disk_bytes is None else min(config.disk_bytes, free)
+    for parent in config.disk_dirs:
+        warn_if_in_ram(parent)
+    cap, free = disk_capacity(config)
     if config.disk_bytes is not None and config.disk_bytes > free:
         log.warning(
-            "tierstore: TIERSTORE_DISK_BYTES=%d is more than the %d bytes free under %s; "
+            "tierstore: TIERSTORE_DISK_BYTES=%s is more than the %s free under %s; "
             "the disk tier is capped at the free space",
-            config.disk_bytes,
-            free,
+            format_size(config.disk_bytes),
+            format_size(free),
             os.pathsep.join(map(str, config.disk_dirs)),
         )
     dirs: list[SpillDirectory] = []
