@@ -126,7 +126,7 @@ def test_enospc_keeps_the_tier_off_until_the_space_returns(world: World) -> None
     world.now += 10 * disk_room.RETRY_SECONDS
     assert not room.recheck()
     off, advice = room.advice()
-    assert f"full until {2 * MiB} bytes are free" in off and "free disk space" in advice
+    assert "full until 2.0 MiB are free" in off and "free disk space" in advice
     world.free = 2 * MiB
     world.now += 1
     assert room.recheck()

@@ -19,6 +19,8 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from tierstore._stats import format_size
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
@@ -195,7 +197,7 @@ class DiskRoom:
                 "TIERSTORE_HOST_BYTES, or release tensors",
             )
         return (
-            f" (disk tier unavailable: full until {self.need} bytes are free under "
+            f" (disk tier unavailable: full until {format_size(self.need)} are free under "
             f"{os.pathsep.join(map(str, self._dirs))})",
             "free disk space, raise TIERSTORE_HOST_BYTES, or release tensors",
         )

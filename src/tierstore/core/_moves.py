@@ -7,6 +7,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from tierstore._state import TensorState, Tier
+from tierstore._stats import format_size
 from tierstore.core._cascade import Limits, Move, plan_device, plan_spills
 from tierstore.core._checks import version_of
 from tierstore.errors import TierFullError
@@ -82,10 +83,11 @@ def tier_full(core: StoreCore, nbytes: int, dtype: torch.dtype) -> TierFullError
     used, cfg = core.table.used, core.config
     off, advice = core.disk.advice()
     return TierFullError(
-        f"no tier has room for a {nbytes}-byte {str(dtype).removeprefix('torch.')} "
-        f"tensor: device {used[Tier.DEVICE]}/{cfg.device_bytes}, "
-        f"host {used[Tier.HOST]}/{cfg.host_bytes}, "
-        f"disk {used[Tier.DISK]}/{core.disk.capacity} bytes used{off}; {advice}"
+        f"no tier has room for a {format_size(nbytes)} {str(dtype).removeprefix('torch.')} "
+        f"tensor: device {format_size(used[Tier.DEVICE])} of {format_size(cfg.device_bytes)}, "
+        f"host {format_size(used[Tier.HOST])} of {format_size(cfg.host_bytes)}, "
+        f"disk {format_size(used[Tier.DISK])} of {format_size(core.disk.capacity)} used{off}; "
+        f"{advice}"
     )
 
 
@@ -157,9 +159,9 @@ def _note_no_room(core: StoreCore, e: Entry) -> None:
     if not core.warned_no_room:
         core.warned_no_room = True
         log.warning(
-            "tierstore: the disk tier is full (%d of %d bytes); %s stays in host memory. "
+            "tierstore: the disk tier is full (%s of %s); %s stays in host memory. "
             "Raise TIERSTORE_DISK_BYTES or free disk space. (warned once)",
-            core.table.used[Tier.DISK],
-            core.disk.capacity,
+            format_size(core.table.used[Tier.DISK]),
+            format_size(core.disk.capacity),
             e.describe(),
         )

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from tierstore._stats import format_size
 from tierstore.tiers import _accelerator
 
 __all__ = ["PinnedPool"]
@@ -125,12 +126,12 @@ class PinnedPool:
                 warn, _warned_pageable = not _warned_pageable, True
             if warn:
                 log.warning(
-                    "tierstore: pinning %d bytes of host memory (TIERSTORE_HOST_BYTES) failed "
+                    "tierstore: pinning %s of host memory (TIERSTORE_HOST_BYTES) failed "
                     "(%s); the host tier uses pageable memory instead, so copies between the "
                     "accelerator and the host are synchronous and slower. Lower "
                     "TIERSTORE_HOST_BYTES or raise the locked-memory limit (ulimit -l). "
                     "(warned once)",
-                    self.capacity,
+                    format_size(self.capacity),
                     exc,
                 )
         # Pieces are numbered into one page space; extents never cross a piece's end.
