@@ -232,3 +232,36 @@ def test_a_disk_dir_keyword_is_one_path_even_with_a_colon(tmp_path: Path) -> Non
     for bad in ([str(odd), 3], [""], ""):
         with pytest.raises(ConfigError, match="disk_dir="):
             StoreConfig.from_env({}, disk_dir=bad)
+
+
+def _known_ones(err: ConfigError) -> set[str]:
+    return set(str(err).split("known ones are ", 1)[1].split(", "))
+
+
+@pytest.mark.parametrize("cls", ["TieredStore", "AsyncTieredStore"])
+def test_the_unknown_keyword_error_lists_every_keyword_the_store_accepts(cls: str) -> None:
+    import inspect
+
+    import tierstore
+
+    store_class = getattr(tierstore, cls)
+    params = inspect.signature(store_class).parameters.values()
+    named = {p.name for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    # **overrides are StoreConfig's fields, under their names or an alias (disk_dir=).
+    fields = {f.name for f in dataclasses.fields(StoreConfig)}
+    with pytest.raises(ConfigError, match="hostbytes='1GiB': unknown setting") as info:
+        store_class(hostbytes="1GiB")
+    known = _known_ones(info.value)
+    assert known == named | fields | {"disk_dir"}
+    for name in known - named:  # each one the overrides take is accepted by the config
+        assert name in fields or StoreConfig.from_env({}, **{name: "/var/tmp"})
+
+
+def test_config_errors_list_the_aliases_too() -> None:
+    fields = {f.name for f in dataclasses.fields(StoreConfig)}
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.from_env({}, hostbytes="1GiB")
+    assert _known_ones(info.value) == fields | {"disk_dir"}
+    with pytest.raises(ConfigError) as info:
+        StoreConfig.from_env({}).replace(hostbytes="1GiB")
+    assert _known_ones(info.value) == fields | {"disk_dir"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierstore import _registry
-from tierstore.config import StoreConfig, check_timeout
+from tierstore.config import ALIASES, StoreConfig, check_timeout, unknown_setting
 from tierstore.core import StoreCore
 from tierstore.core._steps import check_step_number, warn_nothing_offloaded
 from tierstore.errors import StoreClosedError, TierFullError, WrongThreadError
@@ -25,8 +26,24 @@ if TYPE_CHECKING:
 __all__ = ["AsyncTieredStore", "resolve_config"]
 
 
-def resolve_config(config: StoreConfig | None, overrides: dict[str, object]) -> StoreConfig:
-    """``config`` with ``overrides`` applied, or the environment with them when None."""
+def resolve_config(
+    config: StoreConfig | None, overrides: dict[str, object], keywords: tuple[str, ...] = ()
+) -> StoreConfig:
+    """``config`` with ``overrides`` applied, or the environment with them when None.
+
+    Args:
+        config: the configuration given, or None.
+        overrides: keyword arguments naming fields of :class:`StoreConfig` (or aliases).
+        keywords: the calling class's own keywords, listed with the fields when an override
+            names none of them.
+
+    Raises:
+        ConfigError: an unknown keyword (the error lists every known one), or a bad value.
+    """
+    fields = {f.name for f in dataclasses.fields(StoreConfig)}
+    for key, value in overrides.items():
+        if ALIASES.get(key, key) not in fields:
+            raise unknown_setting(key, value, keywords)
     if config is None:
         return StoreConfig.from_env(**overrides)
     return config.replace(**overrides) if overrides else config
@@ -61,7 +78,7 @@ class AsyncTieredStore:
         seconds = check_timeout(close_timeout, name="close_timeout", allow_none=False)
         assert seconds is not None
         self._close_timeout = seconds
-        self.config = resolve_config(config, overrides)
+        self.config = resolve_config(config, overrides, ("config", "close_timeout"))
         self._core: StoreCore | None = None
         self._closed = False
 

@@ -86,7 +86,7 @@ class TieredStore:
         **overrides: object,
     ) -> None:
         self._timeout = check_timeout(timeout, name="timeout")
-        self.config = resolve_config(config, overrides)
+        self.config = resolve_config(config, overrides, ("config", "timeout"))
         self._close_timeout = 60.0 if self._timeout is None else self._timeout
         self._closed = False
         self._start_lock = threading.Lock()

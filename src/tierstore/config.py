@@ -25,7 +25,15 @@ from typing import Literal
 from tierstore.errors import ConfigError
 from tierstore.tiers._engine import engine_names
 
-__all__ = ["ENV_PREFIX", "MAX_TIMEOUT", "StoreConfig", "check_timeout", "parse_size"]
+__all__ = [
+    "ALIASES",
+    "ENV_PREFIX",
+    "MAX_TIMEOUT",
+    "StoreConfig",
+    "check_timeout",
+    "parse_size",
+    "unknown_setting",
+]
 
 ENV_PREFIX = "TIERSTORE_"
 
@@ -53,6 +61,9 @@ _SIZE_RE = re.compile(r"\s*([+-]?)\s*([0-9]*)(?:\.([0-9]*))?\s*([A-Za-z]*)\s*", 
 # int() away from its 4300-digit limit.
 _MAX_DIGITS = 40
 _INT_RE = re.compile(r"\s*[+-]?[0-9]+\s*", flags=re.ASCII)
+
+ALIASES: Mapping[str, str] = {"disk_dir": "disk_dirs"}
+"""Keywords accepted for a field under another name: ``disk_dir=`` is ``disk_dirs``."""
 
 DirectIO = Literal["auto", "on", "off"]
 Checksum = Literal["crc32c", "none"]
@@ -298,13 +309,10 @@ class StoreConfig:
                     f"{var}={env[var]!r}: unknown variable; known ones are "
                     f"{', '.join(sorted(known_vars))}"
                 )
-        aliases = {"disk_dir": "disk_dirs"}
         for key, value in overrides.items():
-            field = aliases.get(key, key)
+            field = ALIASES.get(key, key)
             if field not in fields:
-                raise ConfigError(
-                    f"{key}={value!r}: unknown setting; known ones are {', '.join(sorted(fields))}"
-                )
+                raise unknown_setting(key, value)
             if value is not None or field == "disk_bytes":
                 raw[field] = (key, value)
         return cls._parse(raw)
@@ -329,11 +337,19 @@ class StoreConfig:
         """A copy with some fields changed, parsed and checked like :meth:`from_env` overrides."""
         raw = {f.name: (f.name, getattr(self, f.name)) for f in dataclasses.fields(self)}
         for key, value in changes.items():
-            field = "disk_dirs" if key == "disk_dir" else key
+            field = ALIASES.get(key, key)
             if field not in raw:
-                raise ConfigError(f"{key}={value!r}: unknown setting")
+                raise unknown_setting(key, value)
             raw[field] = (key, value)
         return StoreConfig._parse(raw)
+
+
+def unknown_setting(key: str, value: object, also: tuple[str, ...] = ()) -> ConfigError:
+    """The error for keyword ``key``, which names no setting: it lists every keyword that
+    does (the fields, their aliases, and ``also``, the caller's own keywords)."""
+    known = {f.name for f in dataclasses.fields(StoreConfig)} | set(ALIASES) | set(also)
+    names = ", ".join(sorted(known))
+    return ConfigError(f"{key}={value!r}: unknown setting; known ones are {names}")
 
 
 def _parse_field(field: str, name: str, value: object) -> object:
