@@ -6,7 +6,9 @@
 Nothing is downloaded: the model is built from a LlamaConfig with random weights and the data
 set is random token ids. With a real model, call ``enable_offloaded_checkpointing`` the same
 way right after loading it; the Trainer's own ``activation_checkpointing=True`` then installs
-tierstore's checkpoint too. ``attach_callback`` adds the store's figures to every logged step.
+tierstore's checkpoint too. ``attach_callback`` adds the store's figures to every logged step
+and logs one line per optimizer step on the ``tierstore`` logger (shown here at INFO), e.g.
+``tierstore: step 2 offloaded 4.3 MiB (host 0.0, disk 4.3), peak off-device 4.3 MiB, ...``.
 Each layer's input is 2 MiB here (batch 4, 512 tokens, width 256). Every step prints its loss
 exactly, so the run can be compared with ``--no-offload``: the losses are the same, bit for bit.
 """
@@ -73,7 +75,8 @@ def main() -> None:
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset)
     if store is not None:
-        # Each logged step then shows what the store did: tierstore/offloaded_gib, disk_gib, ...
+        # Each step logs its line ("tierstore: step 1 offloaded ..."), and each logged step
+        # shows what the store did: tierstore/offloaded_gib, disk_gib, ...
         attach_callback(trainer, store)
     trainer.train()
     if store is not None:

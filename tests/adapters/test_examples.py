@@ -59,6 +59,13 @@ def test_hf_trainer_example(tmp_path: Path) -> None:
     assert len(losses(proc)) == 2
     logged = [ln for ln in proc.stdout.splitlines() if "'loss'" in ln]
     assert len(logged) == 2 and all("'tierstore/disk_gib'" in ln for ln in logged), proc.stdout
+    # The callback's line per optimizer step, on the tierstore logger: everything went to disk.
+    steps = [ln for ln in proc.stderr.splitlines() if "tierstore: step " in ln]
+    assert [ln.split("tierstore: step ")[1].split()[0] for ln in steps] == ["1", "2"], proc.stderr
+    for ln in steps:
+        assert ln.startswith("tierstore INFO tierstore: step ") and " offloaded " in ln, ln
+        assert "(host 0.0, disk " in ln, ln
+        assert "peak off-device " in ln and "backward waited " in ln and "skipped " in ln, ln
     line = [ln for ln in proc.stdout.splitlines() if "layer inputs stored" in ln][-1]
     stored, written, held = (int(w) for w in line.split() if w.isdigit())
     assert stored > 0 and written > 2 * 2**20 and held == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -216,7 +217,9 @@ def test_the_trainers_own_checkpointing_switch_installs_tierstores(
     assert "activation_checkpointing_enable" not in vars(model)  # the instance is itself again
 
 
-def test_the_callback_puts_the_stores_figures_into_the_logs(tmp_path: Path) -> None:
+def test_the_callback_puts_the_stores_figures_into_the_logs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from tierstore.integrations.transformers import TierStoreCallback, attach_callback
 
     seen: list[dict[str, float]] = []
@@ -236,10 +239,18 @@ def test_the_callback_puts_the_stores_figures_into_the_logs(tmp_path: Path) -> N
         callback = attach_callback(trainer, store)
         assert isinstance(callback, TierStoreCallback)
         assert isinstance(callback, transformers.TrainerCallback)
-        trainer.train()
+        with caplog.at_level(logging.INFO, logger="tierstore"):
+            trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert len(history) == len(seen) == 2
+    # One line per optimizer step on the tierstore logger, numbered by the Trainer's step.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tierstore: step")]
+    assert [ln.split()[2] for ln in lines] == ["1", "2"], lines
+    for ln in lines:
+        assert " offloaded " in ln and "(host 0.0, disk " in ln and "peak off-device " in ln
+        assert "backward waited " in ln and ln.endswith("skipped nothing"), ln
     for logs in (*history, *seen):
+        assert logs["tierstore/peak_off_device_gib"] > 0
         assert logs["tierstore/offloaded_gib"] > 0 and logs["tierstore/disk_gib"] > 0
         assert logs["tierstore/host_gib"] == 0 and logs["tierstore/backward_wait_s"] >= 0
         assert logs["tierstore/read_errors"] == logs["tierstore/write_errors"] == 0

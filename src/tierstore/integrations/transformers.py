@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tierstore.adapters import checkpoint, no_offload, offload_activations
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
     from tierstore._stats import StoreStats
     from tierstore._sync import TieredStore
+
+log = logging.getLogger("tierstore")
 
 # TierStoreCallback is made on first use (module __getattr__): it subclasses transformers'.
 __all__ = [  # noqa: F822
@@ -164,12 +167,14 @@ class _StoreFigures:
         self._store_arg = store
         self._last: StoreStats | None = None
         self._last_step = 0
+        self._peak_off_device = 0  # the highest step peak since the last log
 
     def figures(self, step: int) -> dict[str, float]:
         """The store's figures per step since the last call (cumulative for errors)."""
         now = resolve_store(self._store_arg).stats()
         then, counts = _Counts.of(self._last), _Counts.of(now)
         self._last = now
+        peak, self._peak_off_device = self._peak_off_device, 0
         steps = max(1, step - self._last_step)
         self._last_step = step
         gib, mib = float(1 << 30), float(1 << 20)
@@ -179,6 +184,7 @@ class _StoreFigures:
             "tierstore/disk_gib": (counts.disk - then.disk) / steps / gib,
             "tierstore/backward_wait_s": (counts.wait - then.wait) / steps,
             "tierstore/skipped_mib": (counts.skipped - then.skipped) / steps / mib,
+            "tierstore/peak_off_device_gib": peak / gib,
             "tierstore/read_errors": float(now.read_errors),
             "tierstore/write_errors": float(now.write_errors),
         }
@@ -186,6 +192,12 @@ class _StoreFigures:
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._last = resolve_store(self._store_arg).stats()
         self._last_step = state.global_step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # One line per optimizer step on the "tierstore" logger, at INFO.
+        step = resolve_store(self._store_arg).end_step(state.global_step)
+        self._peak_off_device = max(self._peak_off_device, step.peak_off_device_bytes)
+        log.info("%s", step)
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
@@ -225,15 +237,22 @@ def _callback_class() -> type[_StoreFigures]:
     class TierStoreCallback(_StoreFigures, TrainerCallback):
         """A ``transformers.TrainerCallback`` that puts the store's figures into the logs.
 
+        At the end of every optimizer step it ends the store's step
+        (:meth:`tierstore.TieredStore.end_step`, numbered by ``state.global_step``) and logs
+        its one line on the ``tierstore`` logger at INFO: ``tierstore: step 12 offloaded 3.1
+        GiB (host 2.0, disk 1.1), peak off-device 2.9 GiB, backward waited 0.04 s, skipped
+        12 MiB (parameters 10, small 2.0)``; a step that stored nothing warns once per store.
+
         At every logging step it adds, per optimizer step since the last log:
         ``tierstore/offloaded_gib`` (bytes handed to the store), ``tierstore/host_gib`` (of
         those, kept in host memory) and ``tierstore/disk_gib`` (written to disk),
-        ``tierstore/backward_wait_s``
-        (seconds backward waited for tensors to come back) and ``tierstore/skipped_mib``
-        (bytes left where they were); and, cumulatively, ``tierstore/read_errors`` and
-        ``tierstore/write_errors``. They go into the ``logs`` that later callbacks see and
-        into ``state.log_history``; :func:`attach_callback` puts it first, so that the
-        console line and every reporter (TensorBoard, W&B, ...) show them too.
+        ``tierstore/backward_wait_s`` (seconds backward waited for tensors to come back) and
+        ``tierstore/skipped_mib`` (bytes left where they were); the highest of those steps'
+        peaks of bytes held off the device, ``tierstore/peak_off_device_gib``; and,
+        cumulatively, ``tierstore/read_errors`` and ``tierstore/write_errors``. They go into
+        the ``logs`` that later callbacks see and into ``state.log_history``;
+        :func:`attach_callback` puts it first, so that the console line and every reporter
+        (TensorBoard, W&B, ...) show them too.
 
         Args:
             store: the store to report on; ``None`` means :func:`tierstore.default_store`.
