@@ -86,9 +86,8 @@ def test_info_shows_the_capacities_a_store_would_have(tmp_path: Path) -> None:
     info = json.loads(_run("info", "--json", env=env).stdout)
     caps, free = info["capacities"], info["disk_dirs"][0]["free_bytes"]
     assert info["config"]["disk_bytes"] is None
-    assert 0 < caps["disk_bytes"] <= free + 64 * 2**20 and caps["disk_bytes"] == caps[
-        "disk_free_bytes"
-    ]
+    assert 0 < caps["disk_bytes"] <= free + 64 * 2**20
+    assert caps["disk_bytes"] == caps["disk_free_bytes"]
     assert caps["host_bytes"] == info["host_default"]["memory_bytes"] // 4 // 4
     assert "4 ranks" in caps["host_from"]
     text = _run("info", env=env).stdout
@@ -122,6 +121,5 @@ def test_info_warns_of_a_spill_directory_in_ram(
     done = _run("info", env={"TIERSTORE_DISK_DIR": str(shm)})
     assert done.returncode == 0, done.stderr
     assert f"warning: TIERSTORE_DISK_DIR '{shm}' is on tmpfs" in done.stdout
-    assert json.loads(_run("info", "--json", env={"TIERSTORE_DISK_DIR": str(shm)}).stdout)[
-        "disk_dirs"
-    ][0]["in_ram"] == "tmpfs"
+    facts = json.loads(_run("info", "--json", env={"TIERSTORE_DISK_DIR": str(shm)}).stdout)
+    assert facts["disk_dirs"][0]["in_ram"] == "tmpfs"
