@@ -22,7 +22,6 @@ Note: [Buffers are found on the stack]
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import threading
@@ -30,6 +29,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import is_grad_enabled
 from torch.autograd.graph import saved_tensors_hooks
 
 from tierstore.adapters._common import check_min_bytes, min_bytes_of, resolve_store, untraced
@@ -176,6 +176,25 @@ class _Session:
             self.store.prefetch(handles)
 
 
+def _stats_at_start(store: TieredStore) -> StoreStats | None:
+    """The store's stats as a block begins, to tell at its end whether it stored anything
+    (Note: [Say when offloading does nothing]); None when nothing is expected of it.
+
+    Only a block that could save tensors for backward is expected to store something: not
+    one under no_grad (evaluation), nor one over a store without stats (a stand-in). This
+    frame and ``offload_activations.__enter__`` do not name the ``torch`` module: Dynamo
+    compiles any frame that does, even one a compiled function calls after falling back to
+    eager, and tracing the store's locks and thread checks warns.
+    """
+    stats = getattr(store, "stats", None)
+    if not is_grad_enabled() or not callable(stats):
+        return None
+    try:
+        return stats()  # type: ignore[no-any-return]
+    except TierStoreError:
+        return None  # a closed store raises at put, as before
+
+
 def _unpack(packed: Any) -> torch.Tensor:
     if isinstance(packed, Saved):
         return packed.tensor()
@@ -264,14 +283,7 @@ class offload_activations:
         # A refusal (torch disables saved-tensor hooks under some compilers and checkpoint
         # modes) raises here and leaves nothing behind.
         hooks.__enter__()
-        # Only a block that could save tensors for backward is expected to store something:
-        # not one under no_grad (evaluation), nor one over a store without stats (a stand-in).
-        stats = getattr(store, "stats", None)
-        before = None
-        if torch.is_grad_enabled() and callable(stats):
-            with contextlib.suppress(TierStoreError):  # a closed store raises at put, as before
-                before = stats()
-        self._active().append((hooks, session, before))
+        self._active().append((hooks, session, _stats_at_start(store)))
         return self
 
     def __exit__(self, *exc_info: object) -> None:
