@@ -507,7 +507,13 @@ def test_striped_directories_with_one_full_spill_to_the_other(
                     assert st.write_errors == 0 and st.disk_available, st
                     for h, t in zip(hs, tensors, strict=True):
                         assert torch.equal(store.get(h), t)
-                    warned = [r.getMessage() for r in caplog.records]
+                    # The two tmpfs mounts draw the warning every spill directory in RAM
+                    # draws; the one about the full directory must come once.
+                    warned = [
+                        r.getMessage()
+                        for r in caplog.records
+                        if "which keeps its files in memory" not in r.getMessage()
+                    ]
                     assert len(warned) == 1, warned
                     assert f"spill directory {full}" in warned[0] and "is full" in warned[0]
                     # Room again in the full one: its chunks go there again.
@@ -579,7 +585,7 @@ def test_a_full_striped_directory_is_skipped_without_root(
             store.close()
 
 
-def test_a_read_only_mount_is_refused_and_info_reports_it(tmp_path: Path) -> None:
+def test_a_read_only_mount_is_refused_by_the_store_and_by_info(tmp_path: Path) -> None:
     mnt = tmp_path / "ro"
     _mount(mnt, "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs")
     try:
@@ -594,10 +600,10 @@ def test_a_read_only_mount_is_refused_and_info_reports_it(tmp_path: Path) -> Non
             timeout=120,
             check=False,
         )
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        # info fails as the store does, with the store's own message.
+        assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr
-        assert f"spill directory {mnt}:" in proc.stdout
-        assert "O_DIRECT no (opening a file with O_DIRECT: Read-only file system" in proc.stdout
+        assert str(info.value) in proc.stderr
     finally:
         _umount(mnt)
 
