@@ -60,7 +60,7 @@ def unsupported(t: object) -> str | None:
         return "nested tensors are not supported; keep them in memory"
     if t.is_quantized:
         return "quantized tensors are not supported; store .int_repr() and the scales instead"
-    if t.device.type != "cpu" and not _accelerator.is_accelerator(t.device):
+    if not t.is_cpu and not _accelerator.is_accelerator(t.device):
         return (
             f"tensors on device {str(t.device)!r} are not supported; tierstore moves CPU "
             f"tensors and tensors on this machine's accelerator "
@@ -100,8 +100,15 @@ def version_of(t: torch.Tensor) -> int | None:
 def change_of(e: Entry, t: torch.Tensor) -> str | None:
     """How ``t`` changed since ``e`` was put, or None (Note: [Writes after put])."""
     # The bytes of storage the tensor reaches (an expanded view reaches fewer than it shows).
-    reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    need = (t.storage_offset() + reach + 1) * t.element_size() if t.numel() else 0
+    # Checked on every move of every tensor, so the common contiguous case skips the sum:
+    # there the last element reached is the numel-th.
+    numel = t.numel()
+    need: int | torch.SymInt = 0
+    if numel and t.is_contiguous():
+        need = (t.storage_offset() + numel) * t.element_size()
+    elif numel:
+        reach = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        need = (t.storage_offset() + reach + 1) * t.element_size()
     have = t.untyped_storage().nbytes()
     if have < need:
         return f"its storage was resized to {have} bytes (it needs {need}), as resize_(0) does"

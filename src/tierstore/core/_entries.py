@@ -68,8 +68,8 @@ class Entry:
         # tuple of ints, never a tuple subclass (see the four-objects test in test_batching).
         self.shape = tuple(t.shape)
         self.dtype = t.dtype
-        self.device = t.device
-        self.on_cpu = t.device.type == "cpu"
+        device = self.device = t.device
+        self.on_cpu = device.type == "cpu"
         """On the CPU the host tier holds the tensor itself: moving it there is no copy."""
         self.nbytes = t.numel() * t.element_size()
         self.movable = movable
@@ -211,9 +211,12 @@ class EntryTable:
 
     def set_copy(self, e: Entry, copy: Copy, t: torch.Tensor | None) -> None:
         """Replace one of ``e``'s in-memory copies (None: drop it), counting it in its tier."""
+        old = getattr(e, copy)
+        if old is None and t is None:
+            return  # nothing to drop: releases clear every copy, most already gone
         tier = _COPY_TIER[copy]
         was = _off_device(e)
-        if getattr(e, copy) is not None:
+        if old is not None:
             self._vacate(tier, e.nbytes)
         if t is not None:
             self._occupy(tier, e.nbytes)

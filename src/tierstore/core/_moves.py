@@ -98,7 +98,9 @@ def _relabel(core: StoreCore, e: Entry, new: Entry | None) -> bool:
     cascade stops there for now.
     """
     assert e.data is not None
-    if not core.table.check_unchanged(e, e.data):
+    # The entry put is adding now cannot have changed: no caller code ran since its version
+    # was taken, under this same lock.
+    if e is not new and not core.table.check_unchanged(e, e.data):
         return True  # it failed (Note: [Writes after put]); the cascade goes on
     try:
         host = compact(e.data)
