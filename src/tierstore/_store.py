@@ -13,7 +13,7 @@ import torch
 from tierstore import _registry
 from tierstore.config import ALIASES, StoreConfig, check_timeout, unknown_setting
 from tierstore.core import StoreCore
-from tierstore.core._steps import check_step_number, warn_nothing_offloaded
+from tierstore.core._steps import check_step_number, finish_step
 from tierstore.errors import StoreClosedError, TierFullError, WrongThreadError
 
 if TYPE_CHECKING:
@@ -167,17 +167,7 @@ class AsyncTieredStore:
 
     async def end_step(self, step: int | None = None) -> StepStats:
         """End a training step; see :meth:`tierstore.TieredStore.end_step`."""
-        stats = self._bound().step_stats(check_step_number(step), end=True)
-        if stats.puts == 0:
-            warn_nothing_offloaded(
-                self,
-                f"step {stats.step}",
-                stats.skipped,
-                stats.skipped_bytes,
-                self.config.min_bytes,
-                stacklevel=2,
-            )
-        return stats
+        return finish_step(self, self._bound(), step, self.config.min_bytes)
 
     def note_skipped(self, reason: str, nbytes: int) -> None:
         """Count a tensor an adapter chose not to store (shows in ``stats().skipped``)."""

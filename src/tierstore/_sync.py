@@ -27,7 +27,7 @@ from tierstore import _registry
 from tierstore._store import resolve_config
 from tierstore.config import check_timeout
 from tierstore.core import StoreCore
-from tierstore.core._steps import check_step_number, warn_nothing_offloaded
+from tierstore.core._steps import check_step_number, finish_step
 from tierstore.errors import (
     StoreClosedError,
     StoreTimeoutError,
@@ -262,17 +262,7 @@ class TieredStore:
         Raises:
             ValueError: ``step`` is not a non-negative integer or None.
         """
-        stats = self._live().step_stats(check_step_number(step), end=True)
-        if stats.puts == 0:
-            warn_nothing_offloaded(
-                self,
-                f"step {stats.step}",
-                stats.skipped,
-                stats.skipped_bytes,
-                self.config.min_bytes,
-                stacklevel=2,
-            )
-        return stats
+        return finish_step(self, self._live(), step, self.config.min_bytes)
 
     def note_skipped(self, reason: str, nbytes: int) -> None:
         """Count a tensor an adapter chose not to store (shows in ``stats().skipped``)."""

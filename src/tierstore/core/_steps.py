@@ -23,9 +23,16 @@ from tierstore._stats import StepStats, format_size, format_skipped
 
 if TYPE_CHECKING:
     from tierstore._stats import StoreStats
+    from tierstore.core._core import StoreCore
     from tierstore.core._entries import EntryTable
 
-__all__ = ["Steps", "check_step_number", "nothing_offloaded_message", "warn_nothing_offloaded"]
+__all__ = [
+    "Steps",
+    "check_step_number",
+    "finish_step",
+    "nothing_offloaded_message",
+    "warn_nothing_offloaded",
+]
 
 
 def _delta(now: Mapping[str, int], then: Mapping[str, int]) -> dict[str, int]:
@@ -149,3 +156,24 @@ def warn_nothing_offloaded(
     message = nothing_offloaded_message(where, skipped, skipped_bytes, min_bytes)
     warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
     return True
+
+
+def finish_step(store: object, core: StoreCore, step: int | None, min_bytes: int) -> StepStats:
+    """End a step of ``core``, the core of the facade ``store``: the step's stats, after a
+    warning, once per store, if it stored nothing (Note: [Say when offloading does nothing]).
+
+    Raises:
+        ValueError: ``step`` is not a non-negative integer or None.
+    """
+    stats = core.step_stats(check_step_number(step), end=True)
+    if stats.puts == 0:
+        # stacklevel 3: the warning points at the code that called the facade's end_step.
+        warn_nothing_offloaded(
+            store,
+            f"step {stats.step}",
+            stats.skipped,
+            stats.skipped_bytes,
+            min_bytes,
+            stacklevel=3,
+        )
+    return stats
