@@ -111,3 +111,31 @@ def test_a_mode_with_wrong_gradients_is_refused(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["mode"] for r in rows] == ["torch_ckpt"]
     assert "ts_disk" not in proc.stdout
+
+
+def test_the_offloaded_checkpoint_saves_against_torchs_checkpoint() -> None:
+    from tierstore.bench.train import table
+
+    mib = 1 << 20
+
+    def row(mode: str, peak_mib: int, offloaded_mib: int = 0) -> dict[str, object]:
+        return {
+            "mode": mode,
+            "step_s_median": 1.0,
+            "cpu_s_median": 1.0,
+            "peak_rss_bytes": peak_mib * mib,
+            "offloaded_bytes_per_step": offloaded_mib * mib,
+        }
+
+    text = table(
+        [
+            row("none", 1000),
+            row("torch_ckpt", 500),
+            row("ts_disk", 600, 500),
+            row("ts_ckpt", 468, 64),
+        ]
+    )
+    lines = {line.split()[0]: line for line in text.splitlines()[2:]}
+    assert lines["ts_disk"].endswith("80%")  # (1000 - 600) / 500
+    assert lines["ts_ckpt"].endswith("50%")  # (500 - 468) / 64, not (1000 - 468) / 64
+    assert lines["torch_ckpt"].endswith("-")
