@@ -44,6 +44,7 @@ __all__ = [
     "SpillDirectory",
     "check_parent",
     "in_ram_message",
+    "mount_of",
     "ram_filesystem",
     "sweep_stale",
     "warn_if_in_ram",
@@ -121,10 +122,11 @@ def _fs_magic(path: Path) -> int | None:
     return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
 
 
-def _fs_name(path: Path) -> str | None:
-    """The type of the filesystem mounted deepest above ``path``, from /proc/self/mountinfo."""
+def mount_of(path: Path) -> tuple[str, str] | None:
+    """The mount point and filesystem type of the mount deepest above ``path``, from
+    /proc/self/mountinfo, or None where that cannot be read or nothing matches."""
     real = os.path.realpath(path)
-    best, name = -1, None
+    best: tuple[str, str] | None = None
     try:
         with open("/proc/self/mountinfo") as f:
             for line in f:
@@ -135,11 +137,17 @@ def _fs_name(path: Path) -> str | None:
                 # Mount points escape space, tab, newline and backslash as octal.
                 mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
                 inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= best:
-                    best, name = len(mount), theirs.split()[0]
+                if inside and (best is None or len(mount) >= len(best[0])):
+                    best = (mount, theirs.split()[0])
     except OSError:
         return None
-    return name
+    return best
+
+
+def _fs_name(path: Path) -> str | None:
+    """The type of the filesystem holding ``path`` (see :func:`mount_of`)."""
+    found = mount_of(path)
+    return None if found is None else found[1]
 
 
 def ram_filesystem(path: Path) -> str | None:

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierstore._spilldir import mount_of
+
 __all__ = [
     "PageCache",
     "RawLimit",
@@ -34,20 +36,9 @@ def cached_bytes() -> int:
 
 
 def filesystem_of(path: Path) -> str:
-    """The filesystem type and mount point holding ``path``, from /proc/mounts."""
-    best = ("", "?")
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                mount = fields[1]
-                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best[0]):
-                    best = (mount, fields[2])
-    except OSError:
-        pass
-    return f"{best[1]} on {best[0] or '?'}"
+    """The filesystem type and mount point holding ``path``, as ``"ext4 on /"``."""
+    found = mount_of(path)
+    return "? on ?" if found is None else f"{found[1]} on {found[0]}"
 
 
 class PageCache:
