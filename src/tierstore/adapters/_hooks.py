@@ -34,7 +34,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from tierstore.adapters._common import check_min_bytes, min_bytes_of, resolve_store, untraced
 from tierstore.adapters._storage import Saved, StorageTable, Stored
-from tierstore.core._steps import warn_nothing_offloaded
+from tierstore.core._steps import counts_since, warn_nothing_offloaded
 from tierstore.errors import TierStoreError
 
 if TYPE_CHECKING:
@@ -114,13 +114,10 @@ class _Session:
             return  # closed during the block: its own error says enough
         if now.puts > before.puts:
             return  # stored through another path in the block (tierstore.checkpoint)
-        skipped = {r: n - before.skipped.get(r, 0) for r, n in now.skipped.items()}
-        skipped = {r: n for r, n in skipped.items() if n}
+        skipped = counts_since(now.skipped, before.skipped)
         if self.saved and not skipped:
             return  # only empty tensors, or storages stored by an earlier block
-        skipped_bytes = {
-            r: now.skipped_bytes.get(r, 0) - before.skipped_bytes.get(r, 0) for r in skipped
-        }
+        skipped_bytes = counts_since(now.skipped_bytes, before.skipped_bytes)
         warn_nothing_offloaded(
             self.store,
             "an offload_activations block",

@@ -29,13 +29,16 @@ if TYPE_CHECKING:
 __all__ = [
     "Steps",
     "check_step_number",
+    "counts_since",
     "finish_step",
     "nothing_offloaded_message",
     "warn_nothing_offloaded",
 ]
 
 
-def _delta(now: Mapping[str, int], then: Mapping[str, int]) -> dict[str, int]:
+def counts_since(now: Mapping[str, int], then: Mapping[str, int]) -> dict[str, int]:
+    """The counts that changed from ``then`` to ``now`` (``stats().skipped`` and the like),
+    by how much."""
     return {k: n - then.get(k, 0) for k, n in now.items() if n != then.get(k, 0)}
 
 
@@ -78,8 +81,8 @@ class Steps:
             prefetch_hits=now.prefetch_hits - a.prefetch_hits,
             prefetch_misses=now.prefetch_misses - a.prefetch_misses,
             kept_no_room=now.kept_no_room - a.kept_no_room,
-            skipped=_delta(now.skipped, a.skipped),
-            skipped_bytes=_delta(now.skipped_bytes, a.skipped_bytes),
+            skipped=counts_since(now.skipped, a.skipped),
+            skipped_bytes=counts_since(now.skipped_bytes, a.skipped_bytes),
             peak_off_device_bytes=table.step_peak_off_device,
             peak_device_bytes=table.step_peak[Tier.DEVICE],
             peak_host_bytes=table.step_peak[Tier.HOST],
