@@ -164,6 +164,28 @@ def train(
     return run
 
 
+def tiny_llama(max_positions: int) -> nn.Module:
+    """A random two-layer Llama (nothing downloaded), seeded, with attention dropout on: the
+    Hugging Face model the differential tests train. Needs transformers."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        attention_dropout=0.1,
+        attn_implementation="eager",
+        use_cache=False,
+    )
+    model: nn.Module = transformers.LlamaForCausalLM(config)
+    return model
+
+
 def settle(store: tierstore.TieredStore, timeout: float = 60.0) -> None:
     """Wait until nothing is moving down the tiers."""
     deadline = time.monotonic() + timeout

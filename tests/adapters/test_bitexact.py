@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from differential import CONFIGS, Run, differences, make_store, settle, train
+from differential import CONFIGS, Run, differences, make_store, settle, tiny_llama, train
 
 import tierstore
 
@@ -47,21 +47,8 @@ HF_CONFIGS = ["tiny-host", "disk-raw-direct", "disk-zarr", "disk-striped"]
 
 
 def _llama() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        attention_dropout=0.1,
-        attn_implementation="eager",
-        use_cache=False,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    pytest.importorskip("transformers")
+    model = tiny_llama(max_positions=1024)
     model.train()
     return model
 

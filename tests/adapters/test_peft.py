@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from differential import settle
+from differential import settle, tiny_llama
 
 import tierstore
 
 if TYPE_CHECKING:
     from _adapters_util import StoreFactory
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 SEQ = 640
@@ -28,20 +28,7 @@ STEPS = 2
 
 
 def lora_llama(mode: str, store: tierstore.TieredStore | None) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        attention_dropout=0.1,
-        attn_implementation="eager",
-        use_cache=False,
-    )
-    base = transformers.LlamaForCausalLM(config)
+    base = tiny_llama(max_positions=SEQ)
     if mode == "integration":
         from tierstore.integrations.transformers import enable_offloaded_checkpointing
 
