@@ -24,6 +24,8 @@ from torch import nn
 import tierstore
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from _adapters_util import StoreFactory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,6 +99,21 @@ def reference(backend: str) -> tuple[list[torch.Tensor], list[int]]:
     return train(backend, "none", None)
 
 
+def grads_of_steps(
+    loss_of: Callable[[torch.Tensor], torch.Tensor], blocks: nn.Module, store: tierstore.TieredStore
+) -> list[torch.Tensor]:
+    """Every gradient of STEPS steps of ``loss_of``, the store's writes landed before each
+    backward."""
+    got: list[torch.Tensor] = []
+    for step in range(STEPS):
+        loss = loss_of(batch(step))
+        settle(store)
+        loss.backward()
+        got += [p.grad.clone() for p in blocks.parameters() if p.grad is not None]
+        blocks.zero_grad(set_to_none=True)
+    return got
+
+
 def assert_equal(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
     assert len(expected) == len(got) > 0
     for i, (a, b) in enumerate(zip(expected, got, strict=True)):
@@ -166,14 +183,7 @@ def test_offload_block_inside_a_compiled_function(
         with tierstore.offload_activations(store):
             return forward(blocks, x).pow(2).mean()
 
-    got: list[torch.Tensor] = []
-    for step in range(STEPS):
-        loss = loss_of(batch(step))
-        settle(store)
-        loss.backward()
-        got += [p.grad.clone() for p in blocks.parameters() if p.grad is not None]
-        blocks.zero_grad(set_to_none=True)
-    assert_equal(expected, got)
+    assert_equal(expected, grads_of_steps(loss_of, blocks, store))
     assert store.stats().bytes_to_disk >= STEPS * 2 * (4 << 20)
     assert capfd.readouterr().err == ""
 
@@ -192,13 +202,6 @@ def test_checkpoint_inside_a_compiled_function(store_factory: StoreFactory) -> N
         def loss_of(x: torch.Tensor) -> torch.Tensor:
             return forward(blocks, x, store if with_store else None).pow(2).mean()  # noqa: B023
 
-        got: list[torch.Tensor] = []
-        for step in range(STEPS):
-            loss = loss_of(batch(step))
-            settle(store)
-            loss.backward()
-            got += [p.grad.clone() for p in blocks.parameters() if p.grad is not None]
-            blocks.zero_grad(set_to_none=True)
-        runs.append(got)
+        runs.append(grads_of_steps(loss_of, blocks, store))
     assert_equal(runs[0], runs[1])
     assert store.stats().bytes_to_disk >= STEPS * 2 * (1 << 20)
