@@ -103,7 +103,12 @@ def collect_info() -> dict[str, object]:
 
     import tierstore
     from tierstore._spilldir import check_parent
-    from tierstore.config import StoreConfig, _local_ranks, _physical_memory_bytes
+    from tierstore.config import (
+        StoreConfig,
+        _default_host_bytes,
+        _local_ranks,
+        _physical_memory_bytes,
+    )
     from tierstore.tiers import _accelerator
     from tierstore.tiers._checksum import IMPLEMENTATION
 
@@ -135,7 +140,7 @@ def collect_info() -> dict[str, object]:
         "host_default": {
             "memory_bytes": memory,
             "local_world_size": ranks,
-            "host_bytes": memory // 4 // ranks,
+            "host_bytes": _default_host_bytes(),
         },
         # What a store opened now gets: per store, and so per rank under torchrun.
         "capacities": _capacities(config, memory, ranks),
