@@ -214,6 +214,36 @@ def test_a_big_cpu_tensor_comes_back_at_its_place_in_a_page(make_store: MakeStor
     assert internals(store).read_pool.reused == reused + 1
 
 
+def test_read_buffers_are_reused_while_held_rounds_repeat_and_handed_back_after_a_sweep(
+    make_store: MakeStore,
+) -> None:
+    """Note: [A finished sweep hands its buffers back]. Tensors of 3 MiB: several chunks of
+    the raw engine's reads."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=64 * MiB)
+    pool = internals(store).read_pool
+    tensors = [_random((3 * MiB // 4,), torch.float32, seed=i) for i in range(6)]
+
+    def on_disk(handles: list[tierstore.TensorHandle]) -> None:
+        wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles))
+
+    for _ in range(2):  # all read back and held, as tierstore-bench's rounds do
+        handles = [store.put(t) for t in tensors]
+        on_disk(handles)
+        back = [store.get(h) for h in reversed(handles)]
+        assert all(_same_bits(b, t) for b, t in zip(back, reversed(tensors), strict=True))
+        for h in handles:
+            store.release(h)
+        del back
+    assert pool.created == len(tensors) and pool.reused == len(tensors)
+    # A backward sweep: each tensor is dropped once used, its entry released after it.
+    handles = [store.put(t) for t in tensors]
+    on_disk(handles)
+    for h, t in zip(reversed(handles), reversed(tensors), strict=True):
+        assert _same_bits(store.get(h), t)
+        store.release(h)
+    assert pool.mapped_bytes == 0
+
+
 @pytest.mark.parametrize(
     "settings",
     [

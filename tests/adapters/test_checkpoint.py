@@ -306,3 +306,39 @@ def test_closing_one_store_leaves_backward_through_another_working(
     tierstore.checkpoint(torch.cos, x, store=s2).sum().backward()
     assert x.grad is not None and torch.equal(x.grad, -torch.sin(x.detach()))
     del old
+
+
+def test_the_first_layers_recompute_holds_no_other_read_buffer(
+    store_factory: StoreFactory,
+) -> None:
+    """Note: [A finished sweep hands its buffers back]: where a checkpointed step peaks, in
+    the recompute of the first layer, the store holds that layer's input and nothing the
+    later layers read back, as torch's own checkpoint does; the gradients stay torch's."""
+    from tierstore.testing import internals
+
+    torch.manual_seed(0)
+    width, rows = 512, 1024  # 2 MiB layer inputs: the raw engine's multi-chunk reads
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(6))
+    x = torch.randn(rows, width)
+    store = store_factory("disk", prefetch_bytes=8 << 20)
+    mapped_in_first_layer: list[int] = []
+    layers[0].register_forward_pre_hook(
+        lambda *_: mapped_in_first_layer.append(internals(store).read_pool.mapped_bytes)
+    )
+
+    def run(wrap: Any) -> list[torch.Tensor]:
+        for p in layers.parameters():
+            p.grad = None
+        h = x * 1.0  # as an embedding's output: only the checkpoint keeps it
+        for layer in layers:
+            h = wrap(layer, h)
+        h.square().sum().backward()
+        return [p.grad.clone() for p in layers.parameters() if p.grad is not None]
+
+    expected = run(functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
+    for _ in range(2):  # the second step reads into the first step's buffers
+        mapped_in_first_layer.clear()
+        assert_equal_tensors(expected, run(functools.partial(tierstore.checkpoint, store=store)))
+        recompute = mapped_in_first_layer[-1]
+        assert recompute <= x.nbytes + (1 << 20) + 4096, recompute
+    assert settled(store).bytes_from_disk == 2 * 6 * x.nbytes

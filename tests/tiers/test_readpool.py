@@ -84,3 +84,27 @@ def test_a_lead_that_does_not_fit_is_refused() -> None:
     pool = ReadPool(keep_bytes=64 * MiB)
     with pytest.raises(ValueError, match="do not fit"):
         pool.take(MiB, lead=64, span=MiB)
+
+
+def test_shrink_unmaps_free_buffers_largest_first_and_never_a_busy_one() -> None:
+    """Note: [A finished sweep hands its buffers back]."""
+    pool = ReadPool(keep_bytes=64 * MiB)
+    busy = pool.take(4 * MiB)[1]
+    busy.fill_(5)
+    free = [pool.take(n)[1] for n in (8 * MiB, 4 * MiB, 64 * 1024, 64 * 1024)]
+    del free
+    assert pool.mapped_bytes == 16 * MiB + 128 * 1024
+    assert pool.shrink(keep_free=MiB) == 12 * MiB  # the two big free ones, not the small ones
+    assert pool.mapped_bytes == 4 * MiB + 128 * 1024
+    assert pool.shrink(keep_free=0) == 128 * 1024
+    assert pool.mapped_bytes == 4 * MiB and torch.all(busy == 5)
+    del busy
+    assert pool.shrink(keep_free=0) == 4 * MiB and pool.mapped_bytes == 0
+
+
+def test_shrink_keeps_free_buffers_within_keep_free() -> None:
+    pool = ReadPool(keep_bytes=64 * MiB)
+    pool.take(512 * 1024)  # taken and dropped at once
+    assert pool.shrink() == 0  # SWEEP_KEEP_BYTES: one small buffer stays for reuse
+    pool.take(512 * 1024)
+    assert pool.reused == 1

@@ -39,7 +39,7 @@ from tierstore.core._transfers import Transfers
 from tierstore.errors import StoreClosedError, TierFullError
 from tierstore.tiers._device import current_stream, hand_over, ready_event
 from tierstore.tiers._pinned import PinnedPool
-from tierstore.tiers._readpool import ReadPool
+from tierstore.tiers._readpool import SWEEP_KEEP_BYTES, ReadPool
 
 if TYPE_CHECKING:
     import asyncio
@@ -206,6 +206,7 @@ class StoreCore:
             self.walk.cursor = e.key
             result = read_now(self, e)
             self.plan_prefetch()
+            self._end_of_sweep()
             return result
 
     def consumed(self, handle: TensorHandle, t: torch.Tensor) -> None:
@@ -217,6 +218,15 @@ class StoreCore:
             if e is not None and e.state is S.FETCHED and e.fetched is t:
                 self.consume(e)
             self.plan_prefetch()
+            self._end_of_sweep()
+
+    def _end_of_sweep(self) -> None:
+        """Hand the read pool's free buffers back once every read older than the last get has
+        its buffer (Note: [A finished sweep hands its buffers back]): a fetch still running
+        may not have taken one yet, and would map a new buffer for what was just unmapped."""
+        pool = self.read_pool
+        if pool.mapped_bytes > SWEEP_KEEP_BYTES and self.walk.exhausted and not self.table.fetching:
+            pool.shrink()
 
     def consume(self, e: Entry) -> None:
         """The caller holds the fetched copy now: the entry returns to its home tier.
@@ -287,6 +297,9 @@ class StoreCore:
         self.counters.releases += 1
         if self.table.release(e):
             self.plan_prefetch()
+        # Backward drops a tensor read back before the entry it came from: the last ones of a
+        # sweep are free by the time their entries go.
+        self._end_of_sweep()
 
     def drain_dropped(self) -> None:
         """Release the entries of handles dropped since the last call (the lock held)."""

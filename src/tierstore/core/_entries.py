@@ -145,6 +145,7 @@ class EntryTable:
         host_reserved: host bytes of device-to-host copies in flight, taken from the host
             tier's room as soon as a copy starts, not when it lands.
         window: bytes of fetched and fetching copies (the prefetch window's use).
+        fetching: bytes of entries being fetched.
         total_entries, total_bytes: copies and bytes ever placed in each tier.
         peak, step_peak: the most bytes each tier held at once, since the table was made and
             since :meth:`start_step`.
@@ -165,7 +166,7 @@ class EntryTable:
         self.count = dict.fromkeys(Tier, 0)
         self.resting = {Tier.DEVICE: 0, Tier.HOST: 0}
         self.host_reserved = 0
-        self.window = 0
+        self.window = self.fetching = 0
         self.total_entries = dict.fromkeys(Tier, 0)
         self.total_bytes = dict.fromkeys(Tier, 0)
         self.peak = dict.fromkeys(Tier, 0)
@@ -208,6 +209,8 @@ class EntryTable:
             heapq.heappush(self._heaps[Tier.HOST], e.key)
         if (old in WINDOW) != (new in WINDOW):
             self.window += e.nbytes if new in WINDOW else -e.nbytes
+        if (old is S.FETCHING) != (new is S.FETCHING):
+            self.fetching += e.nbytes if new is S.FETCHING else -e.nbytes
 
     def set_copy(self, e: Entry, copy: Copy, t: torch.Tensor | None) -> None:
         """Replace one of ``e``'s in-memory copies (None: drop it), counting it in its tier."""

@@ -45,6 +45,12 @@ class PrefetchWalk:
         self.steps = 0
         """Entries looked at by every walk so far (a backward sweep stays linear)."""
 
+    @property
+    def exhausted(self) -> bool:
+        """Whether the last walk reached the oldest entry: nothing older than the cursor is
+        left to bring back, so a backward sweep is at its end."""
+        return self.cursor is not None and self._resume_at == 0
+
     def plan(
         self, live_keys: Sequence[int], fetch_size: Callable[[int], int | None], budget: int
     ) -> list[int]:

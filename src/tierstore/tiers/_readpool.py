@@ -8,6 +8,19 @@ Note: [Buffers come back when the last tensor goes]
     reference to the ``mmap`` object until the storage dies, views included. So a buffer whose
     reference count is back to the pool's own is free to reuse, and a tensor still in use is
     never overwritten. Buffers are page-aligned, so O_DIRECT reads land in them directly.
+
+Note: [A finished sweep hands its buffers back]
+    Free buffers still count in the process's memory. Kept through a whole step they cost the
+    memory a read-back saves: with ``tierstore.checkpoint`` the peak of a training step comes
+    at the end of backward, in the recompute of the first layer, when every parameter's
+    gradient exists and torch's own checkpoint holds nothing but that layer's input. A pool
+    still holding the buffers of the later layers' inputs there made the store's peak higher
+    than torch's by those buffers. So when a backward sweep has nothing left to read (the
+    store calls :meth:`ReadPool.shrink`), the free buffers are unmapped, all but
+    ``SWEEP_KEEP_BYTES`` of small ones: a loop that reads one small tensor at a time keeps
+    reusing its buffer. Within a sweep nothing changes: buffers cycle through the window, and
+    only the first touch of each is paid again in the next step (a window per step, not the
+    bytes read).
 """
 
 from __future__ import annotations
@@ -22,6 +35,9 @@ __all__ = ["ReadPool"]
 
 _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
+SWEEP_KEEP_BYTES = 1 << 20
+"""Free bytes :meth:`ReadPool.shrink` keeps by default (Note: [A finished sweep hands its
+buffers back])."""
 
 
 def _new_map(size: int) -> mmap.mmap:
@@ -97,18 +113,38 @@ class ReadPool:
                 if _refs(maps, i) <= _FREE_REFS:
                     self.reused += 1
                     return _tensors(maps[i], nbytes, lead, span)
-            self._trim(size)
+            self._trim(self.keep_bytes - size)
             m = _new_map(size)
             maps.append(m)
             self.mapped_bytes += size
             self.created += 1
         return _tensors(m, nbytes, lead, span)
 
-    def _trim(self, incoming: int) -> None:
-        """Unmap free buffers while the pool would exceed ``keep_bytes``."""
-        for size, maps in self._maps.items():
+    def shrink(self, keep_free: int = SWEEP_KEEP_BYTES) -> int:
+        """Unmap free buffers, largest first, until at most ``keep_free`` bytes of free ones
+        are left (Note: [A finished sweep hands its buffers back]).
+
+        Returns:
+            The bytes unmapped.
+        """
+        with self._lock:
+            before = self.mapped_bytes
+            free = sum(
+                size
+                for size, maps in self._maps.items()
+                for i in range(len(maps))
+                if _refs(maps, i) <= _FREE_REFS
+            )
+            if free > keep_free:
+                self._trim(self.mapped_bytes - free + keep_free)
+            return before - self.mapped_bytes
+
+    def _trim(self, limit: int) -> None:
+        """Unmap free buffers, largest first, while more than ``limit`` bytes are mapped."""
+        for size in sorted(self._maps, reverse=True):
+            maps = self._maps[size]
             i = 0
-            while i < len(maps) and self.mapped_bytes + incoming > self.keep_bytes:
+            while i < len(maps) and self.mapped_bytes > limit:
                 if _refs(maps, i) <= _FREE_REFS:
                     maps.pop(i).close()
                     self.mapped_bytes -= size
