@@ -96,10 +96,17 @@ def collect_info() -> dict[str, object]:
         ConfigError: a ``TIERSTORE_*`` variable is invalid, or a spill directory cannot be
             used (missing, not a directory, not writable): the error a store would raise.
     """
-    import google_crc32c
+    from importlib.metadata import PackageNotFoundError, version
+
     import numpy
     import torch
     import zarr
+
+    def _version_of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
 
     import tierstore
     from tierstore._spilldir import check_parent
@@ -125,7 +132,7 @@ def collect_info() -> dict[str, object]:
             "torch": torch.__version__,
             "zarr": zarr.__version__,
             "numpy": numpy.__version__,
-            "google_crc32c": f"{google_crc32c.implementation} implementation",
+            "isal": _version_of("isal"),
         },
         "config": {
             f.name: (
