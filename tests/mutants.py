@@ -111,6 +111,18 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "shrink-busy-buffer",
+        "the read pool unmaps buffers at the end of a backward sweep whether or not a tensor "
+        "still uses them",
+        (
+            Edit(
+                _POOL,
+                "if _refs(maps, i) <= _FREE_REFS:\n                    maps.pop(i).close()",
+                "if True:\n                    maps.pop(i).close()",
+            ),
+        ),
+    ),
+    Mutant(
         "absolute-offset",
         "the bug that once shipped: get returns a view at the lead, and the adapters rebuild "
         "saved views with an absolute as_strided offset",
