@@ -75,9 +75,10 @@ class ReadPool:
         keep_bytes: when a new buffer has to be mapped, free buffers beyond this many bytes
             are unmapped first. Until then, buffers freed by their tensors stay mapped for
             reuse: after a caller held many tensors read back at once and dropped them, the
-            pool keeps that much memory until the next read needs a buffer of a new size (or
-            ``clear``). In training, backward drops each tensor soon after it comes back, so
-            the pool stays near the prefetch window.
+            pool keeps that much memory until the next read needs a buffer of a new size,
+            :meth:`shrink` (which the store calls when a backward sweep ends) or ``clear``.
+            In training, backward drops each tensor soon after it comes back, so the pool
+            stays near the prefetch window.
     """
 
     def __init__(self, keep_bytes: int) -> None:
