@@ -244,6 +244,26 @@ def test_read_buffers_are_reused_while_held_rounds_repeat_and_handed_back_after_
     assert pool.mapped_bytes == 0
 
 
+def test_tensors_bigger_than_the_prefetch_window_are_prefetched_one_at_a_time(
+    make_store: MakeStore,
+) -> None:
+    """Note: [A tensor bigger than the window]: 3 MiB tensors (several chunks) against a
+    1 MiB window are read ahead one at a time, and come back bit for bit."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=MiB)
+    tensors = [_random((3 * MiB // 4,), torch.float32, seed=10 + i) for i in range(4)]
+    handles = [store.put(t) for t in tensors]
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles))
+    hits = store.stats().prefetch_hits
+    for h, t in zip(reversed(handles), reversed(tensors), strict=True):
+        assert _same_bits(store.get(h), t)
+        ahead = [s for s in internals(store).states() if s in ("FETCHING", "FETCHED")]
+        assert len(ahead) <= 1, ahead
+        # Let the read ahead finish, as backward's compute between two gets would.
+        wait_for(lambda: "FETCHING" not in internals(store).states())
+        store.release(h)
+    assert store.stats().prefetch_hits - hits == len(tensors) - 1  # all but the first get
+
+
 @pytest.mark.parametrize(
     "settings",
     [

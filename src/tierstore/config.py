@@ -267,7 +267,8 @@ class StoreConfig:
     min_bytes: int = MiB
     """Tensors smaller than this stay where they are."""
     prefetch_bytes: int = 256 * MiB
-    """How many bytes ahead of backward the store brings tensors back."""
+    """How many bytes ahead of backward the store brings tensors back; a tensor bigger than
+    this is brought back alone once nothing else is (0 turns prefetching off)."""
     max_inflight_bytes: int = 256 * MiB
     """Bytes being moved down at once before :meth:`put` waits (the save semaphore)."""
     io_threads: int = 8

@@ -77,3 +77,23 @@ def test_chosen_handles_come_newest_first_until_one_does_not_fit() -> None:
     asked = [(3, 10), (7, 10), (5, 30), (7, 10), (1, 5)]  # 7 asked twice
     assert newest_first_within(asked, budget=25) == [7]
     assert newest_first_within(asked, budget=54) == [7, 5, 3]
+
+
+def test_an_entry_bigger_than_the_window_is_fetched_alone_once_the_window_is_empty() -> None:
+    """Note: [A tensor bigger than the window]."""
+    keys = [1, 2, 3, 4, 5]
+    on_disk = {1: 10, 2: 10, 3: 10, 4: 128}
+    walk = PrefetchWalk()
+    walk.cursor = 5
+    assert walk.plan(keys, _sizes(on_disk), budget=32) == []  # something is in the window
+    assert walk.plan(keys, _sizes(on_disk), budget=32, window_empty=True) == [4]
+    del on_disk[4]  # now fetching: the rest waits for room, as before
+    assert walk.plan(keys, _sizes(on_disk), budget=0, window_empty=False) == []
+    assert walk.plan(keys, _sizes(on_disk), budget=32) == [3, 2, 1]
+    # An entry that fits is never joined by a bigger one, and no window means no prefetch.
+    walk = PrefetchWalk()
+    walk.cursor = 5
+    assert walk.plan(keys, _sizes({4: 10, 3: 128}), budget=32, window_empty=True) == [4]
+    walk = PrefetchWalk()
+    walk.cursor = 5
+    assert walk.plan(keys, _sizes({4: 128}), budget=0, window_empty=True) == []

@@ -268,7 +268,8 @@ class StoreCore:
             return
         entries = self.table.entries
         budget = self.config.prefetch_bytes - self.table.window
-        for key in self.walk.plan(self.table.live_keys, self._fetch_size, budget):
+        empty = self.table.window == 0
+        for key in self.walk.plan(self.table.live_keys, self._fetch_size, budget, empty):
             self.start_fetch(entries[key])
 
     def _fetch_size(self, key: int) -> int | None:

@@ -16,6 +16,14 @@ Note: [Resumable prefetch walk]
     waited behind it, was several times slower (docs/architecture.md, "LIFO prefetch"). The
     walk goes on when a fetch ends and at every ``get``, so the window still fills while the
     caller waits; 256 fetches are 16 MiB of 64 KiB tensors, and a whole window of big ones.
+
+Note: [A tensor bigger than the window]
+    The walk stops at the first entry that does not fit in what the window has left, so an
+    entry bigger than the whole window would never be brought back ahead: every get of it
+    waited for its read. In a long-context step those are the biggest activations (attention
+    maps of 128 MiB against a 32 MiB window were a quarter of a backward's gets and all of
+    its waits, docs/performance.md). So when the window is empty the walk starts such an
+    entry alone: at most one tensor over the window, the one backward needs next.
 """
 
 from __future__ import annotations
@@ -52,7 +60,11 @@ class PrefetchWalk:
         return self.cursor is not None and self._resume_at == 0
 
     def plan(
-        self, live_keys: Sequence[int], fetch_size: Callable[[int], int | None], budget: int
+        self,
+        live_keys: Sequence[int],
+        fetch_size: Callable[[int], int | None],
+        budget: int,
+        window_empty: bool = False,
     ) -> list[int]:
         """The keys to fetch now, newest first.
 
@@ -60,7 +72,9 @@ class PrefetchWalk:
             live_keys: every live key, ascending.
             fetch_size: an entry's bytes if it needs fetching (on disk, or an accelerator
                 tensor in host memory), else None.
-            budget: bytes the window has left.
+            budget: bytes the window has left (0 or less: plan nothing).
+            window_empty: nothing is fetched or being fetched, so the first entry may be
+                bigger than ``budget`` (Note: [A tensor bigger than the window]).
         """
         if self.cursor is None or budget <= 0:
             return []
@@ -78,7 +92,14 @@ class PrefetchWalk:
             key = live_keys[i]
             nbytes = fetch_size(key)
             if nbytes is not None:
-                if nbytes > budget or len(chosen) == STEP:
+                if len(chosen) == STEP:
+                    break
+                if nbytes > budget:
+                    if chosen or not window_empty:
+                        break
+                    chosen.append(key)  # alone: nothing else joins it
+                    i -= 1
+                    scanned += 1
                     break
                 budget -= nbytes
                 chosen.append(key)
