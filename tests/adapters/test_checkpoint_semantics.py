@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _adapters_util import StoreFactory, settled
+from _adapters_util import StoreFactory, settled, wait_for
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
@@ -75,6 +75,9 @@ def test_torch_autograd_grad_through_a_checkpoint(store_factory: StoreFactory) -
     expected = torch.autograd.grad(model(x * 2).sum(), [x, *model.parameters()])
     torch.manual_seed(5)
     y = tierstore.checkpoint(model, x * 2, store=store)  # an input nobody keeps
+    # Backward right after the forward can find the spill still running and take the input
+    # from memory; wait, so that the recompute's read from disk is what this test checks.
+    assert wait_for(lambda: store.stats().inflight_bytes == 0)
     got = torch.autograd.grad(y.sum(), [x, *model.parameters()])
     _same(list(expected), list(got))
     assert store.stats().bytes_from_disk > 0  # the recompute read the input from disk
