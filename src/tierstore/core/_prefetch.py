@@ -92,15 +92,9 @@ class PrefetchWalk:
             key = live_keys[i]
             nbytes = fetch_size(key)
             if nbytes is not None:
-                if len(chosen) == STEP:
+                if len(chosen) == STEP or (nbytes > budget and (chosen or not window_empty)):
                     break
-                if nbytes > budget:
-                    if chosen or not window_empty:
-                        break
-                    chosen.append(key)  # alone: nothing else joins it
-                    i -= 1
-                    scanned += 1
-                    break
+                # One bigger than the window comes alone: the budget goes below zero.
                 budget -= nbytes
                 chosen.append(key)
             i -= 1
