@@ -89,6 +89,16 @@ def _capacities(config: StoreConfig, memory: int, ranks: int) -> dict[str, objec
     }
 
 
+def _version_of(package: str) -> str:
+    """An installed distribution's version, or "not installed"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def collect_info() -> dict[str, object]:
     """Everything ``info`` prints, as a JSON-ready dict.
 
@@ -96,17 +106,9 @@ def collect_info() -> dict[str, object]:
         ConfigError: a ``TIERSTORE_*`` variable is invalid, or a spill directory cannot be
             used (missing, not a directory, not writable): the error a store would raise.
     """
-    from importlib.metadata import PackageNotFoundError, version
-
     import numpy
     import torch
     import zarr
-
-    def _version_of(package: str) -> str:
-        try:
-            return version(package)
-        except PackageNotFoundError:
-            return "not installed"
 
     import tierstore
     from tierstore._spilldir import check_parent
