@@ -4,11 +4,17 @@ Note: [Returning host memory]
     A tensor the store wrote to disk is freed into glibc's heap, which keeps it: pushing a
     gigabyte of tensors through a small host tier grew peak RSS by several times what the store
     ever held. ``malloc_trim(0)`` returns free heap pages to the OS; run at most every
-    ``_INTERVAL_SECONDS`` after spills and releases, it keeps the growth to a fraction of that.
-    Fixing glibc's mmap threshold instead does as well on RSS, but makes every large allocation
-    of the whole process page-fault afresh, which is slow, so the store does not touch malloc's
+    ``_INTERVAL_SECONDS`` after spills, it keeps the growth to a fraction of that. Fixing
+    glibc's mmap threshold instead does as well on RSS, but makes every large allocation of
+    the whole process page-fault afresh, which is slow, so the store does not touch malloc's
     policy. A trim costs well under a millisecond, so it runs inline. docs/architecture.md
     ("Lifetime and cleanup") has the figures.
+
+    Releases do not trim. What a release frees on the CPU is the caller's tensor (or the
+    store's compact copy of it), which training without a store frees too and whose memory
+    the next step allocates again; handing it back made that step fault it in afresh. With
+    the host tier, which holds CPU tensors as they are, a training step took a fifth more
+    page faults than without offloading (docs/performance.md, "The training step").
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ import heapq
 import logging
 from typing import TYPE_CHECKING, Any, Literal
 
-from tierstore._malloc import trim_soon
 from tierstore._state import TRANSIT, TensorState, Tier, transition
 from tierstore.core._checks import change_of, changed_error, version_of
 from tierstore.errors import StoreClosedError
@@ -326,9 +325,11 @@ class EntryTable:
             self.free_copies(e)
 
     def free_copies(self, e: Entry) -> None:
-        """Drop every copy of a released or failed entry; its spill space is freed soon."""
-        if e.host is not None or e.data is not None:
-            trim_soon()  # Note: [Returning host memory]
+        """Drop every copy of a released or failed entry; its spill space is freed soon.
+
+        No heap trim here (Note: [Returning host memory]): what a release frees on the CPU is
+        the tensor itself, which the caller would have freed without a store.
+        """
         self.in_transit.discard(e)
         # Home copies first: dropping a device copy while a home copy is left would count the
         # entry off the device for a moment (Note: [Off the device]).
