@@ -50,14 +50,35 @@ def pinning(monkeypatch: pytest.MonkeyPatch) -> FakePinning:
     return fake
 
 
-def test_the_region_is_pinned_once_in_exact_power_of_two_pieces(pinning: FakePinning) -> None:
-    """Note: [Pinned in power-of-two pieces]: 24 pages are pinned as 16 + 8, not rounded."""
+def test_the_region_grows_as_needed_in_exact_power_of_two_pieces(pinning: FakePinning) -> None:
+    """Note: [Pinned as needed, in power-of-two pieces]: 24 pages grow as 16 + 8, not rounded."""
     pool = PinnedPool(24 * PAGE)
     assert pinning.requests == []  # nothing before the first take
-    for _ in range(3):
-        assert pool.take(PAGE) is not None
+    bufs = [pool.take(PAGE) for _ in range(16)]
+    assert pinning.requests == [16 * PAGE]  # the largest power of two the capacity allows
+    bufs.append(pool.take(PAGE))
     assert pinning.requests == [16 * PAGE, 8 * PAGE]
-    assert pool.pinned is True
+    assert pool.pinned is True and all(b is not None for b in bufs)
+    assert [pool.take(PAGE) for _ in range(7)] != [None] * 7 and pool.take(PAGE) is None
+    assert pinning.requests == [16 * PAGE, 8 * PAGE]
+
+
+def test_an_unlimited_pool_pins_what_is_used_not_the_machine(pinning: FakePinning) -> None:
+    """host_bytes="unlimited" once tried to pin all of RAM at the first copy, and on a GPU
+    machine PyTorch kept the pieces that did pin cached, out of the OS's reach: OOM-killed."""
+    pool = PinnedPool(1 << 62)  # capped at the machine's memory
+    assert pool.capacity > 64 * MiB
+    small = pool.take(MiB)
+    assert pinning.requests == [64 * MiB]  # the first piece
+    big = pool.take(100 * MiB)
+    assert pinning.requests == [64 * MiB, 128 * MiB]  # doubles, and holds the request
+    more = [
+        pool.take(20 * MiB) for _ in range(4)
+    ]  # three fit in the first piece, one in the second
+    assert pinning.requests == [64 * MiB, 128 * MiB]
+    more.append(pool.take(20 * MiB))  # 8 MiB left in each: a third piece, 256 MiB
+    assert pinning.requests == [64 * MiB, 128 * MiB, 256 * MiB]
+    assert small is not None and big is not None and None not in more
 
 
 def test_buffers_are_page_aligned_and_own_exactly_their_bytes(pinning: FakePinning) -> None:
@@ -89,6 +110,7 @@ def test_freed_neighbours_merge_within_a_piece(pinning: FakePinning) -> None:
     pool = PinnedPool(3 * PAGE)  # pieces of 2 pages and 1 page
     bufs = [pool.take(PAGE) for _ in range(3)]
     assert all(b is not None for b in bufs) and pool.take(1) is None
+    assert pinning.requests == [2 * PAGE, PAGE]
     del bufs
     two = pool.take(2 * PAGE)
     assert two is not None  # the 2-page piece merged again
@@ -122,6 +144,28 @@ def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(
     assert [p.pinned for p in pools] == [False, False]
     warnings = [r for r in caplog.records if "pinning" in r.getMessage()]
     assert len(warnings) == 1 and "pageable" in warnings[0].getMessage()
+
+
+def test_once_a_piece_fails_to_pin_the_pool_grows_pageable(
+    pinning: FakePinning, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pool = PinnedPool(256 * MiB)
+    first = pool.take(64 * MiB)
+    assert pool.pinned is True and pinning.requests == [64 * MiB]
+
+    def refuse(nbytes: int) -> torch.Tensor:
+        pinning.requests.append(nbytes)
+        raise RuntimeError("cudaErrorMemoryAllocation")
+
+    monkeypatch.setattr(_accelerator, "pinned_empty", refuse)
+    monkeypatch.setattr(_pinned, "_warned_pageable", True)
+    second = pool.take(64 * MiB)
+    third = pool.take(100 * MiB)
+    assert first is not None and second is not None and third is not None
+    assert pool.pinned is False
+    assert pinning.requests == [64 * MiB, 64 * MiB]  # no second try after a failure
+    second[1].fill_(7)
+    assert int(second[1].sum()) == 7 * 64 * MiB
 
 
 def test_an_empty_pool_takes_nothing(pinning: FakePinning) -> None:

@@ -4,9 +4,9 @@ Note: [The pinned pool]
     Copies between an accelerator and host memory run asynchronously only from page-locked
     memory, and pinning is expensive and scarce: each ``pin_memory`` allocation is a driver
     call, PyTorch's own pinned cache rounds every request up to a power of two and never gives
-    memory back, and WSL caps pinned memory at 1-2 GB. So the store pins
-    ``TIERSTORE_HOST_BYTES`` once, at the first copy that needs it (Note: [Pinned in
-    power-of-two pieces]), and cuts page-aligned buffers out of that region with a first-fit
+    memory back, and WSL caps pinned memory at 1-2 GB. So the store pins a region that grows
+    in large pieces as the host tier fills, up to ``TIERSTORE_HOST_BYTES`` (Note: [Pinned as
+    needed, in power-of-two pieces]), and cuts page-aligned buffers out of it with a first-fit
     allocator. Page alignment lets the disk engine
     write from and read into a buffer with ``O_DIRECT``, without a bounce copy.
 
@@ -18,8 +18,8 @@ Note: [The pinned pool]
     host-to-device copy reads is kept busy until that copy's event has completed
     (:meth:`PinnedPool.hold`), as PyTorch's caching host allocator does with recorded events.
 
-    If pinning fails, the pool falls back to pageable memory of the same size, with one
-    warning: copies are then synchronous and slower, but correct.
+    If pinning a piece fails, that piece and every later one are pageable memory, with one
+    warning: copies from them are then synchronous and slower, but correct.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ __all__ = ["PinnedPool"]
 log = logging.getLogger("tierstore")
 
 _PAGE = mmap.PAGESIZE
+_FIRST_PIECE = 64 << 20
 _warned_pageable = False
 _warn_lock = threading.Lock()
 
@@ -56,9 +57,9 @@ class PinnedPool:
     """Page-aligned host buffers cut from one region of ``capacity`` bytes, pinned if possible.
 
     Args:
-        capacity: bytes of the region, allocated (and pinned) at the first :meth:`take`;
-            at most the machine's memory. 0 disables the pool: every :meth:`take` returns
-            None.
+        capacity: the most bytes the region grows to, pinned piece by piece as
+            :meth:`take` needs them; at most the machine's memory. 0 disables the pool:
+            every :meth:`take` returns None.
 
     Thread-safe. The region lives as long as the pool and every buffer taken from it.
     """
@@ -72,7 +73,7 @@ class PinnedPool:
         self._starts: list[int] = []
         self._addresses: list[int] = []
         self.pinned: bool | None = None
-        """True once the region is pinned, False if pinning failed, None before first use."""
+        """True while every piece is pinned, False once pinning one failed, None before any."""
         # Free extents as (first page, page count), sorted by first page.
         self._free: list[tuple[int, int]] = []
         self._freed: collections.deque[tuple[int, int]] = collections.deque()
@@ -88,62 +89,63 @@ class PinnedPool:
                 for i, address in enumerate(self._addresses)
             ]
 
-    def _allocate(self) -> None:
-        """Allocate the region (under the lock); pinned, or pageable with one warning.
+    def _grow(self, pages: int) -> bool:
+        """Add a piece that can hold ``pages`` (under the lock); False if capacity forbids.
 
-        Note: [Pinned in power-of-two pieces]
-            PyTorch's pinned allocator rounds every request up to a power of two, so pinning
-            24 GiB in one call would lock 32. The region is therefore pinned as the binary
-            pieces of its size (16 GiB + 8 GiB), which the allocator takes at their exact
-            size; a buffer never straddles two pieces.
+        Note: [Pinned as needed, in power-of-two pieces]
+            The region grows piece by piece as buffers are taken, each piece as large as
+            everything pinned before it (at least 64 MiB and the request), so the pool pins
+            about what the store has used at its peak, never the whole ``host_bytes`` up
+            front: with ``host_bytes="unlimited"`` that would try to lock all of the machine's
+            memory, and PyTorch keeps what it pinned cached, out of the OS's reach, even when a
+            later piece fails. Each piece is a power of two pages, because PyTorch's pinned
+            allocator rounds every request up to one (24 GiB asked would lock 32). A buffer
+            never straddles two pieces.
         """
         global _warned_pageable
-        pieces: list[tuple[Any, int, int]] = []
+        have = self._starts[-1] if self._starts else 0
+        room = self.capacity // _PAGE - have
+        want = max(have, _FIRST_PIECE // _PAGE, pages)
+        size = 1 << (want - 1).bit_length()
+        while size > room:
+            size >>= 1
+        if size < pages:
+            return False
         try:
-            pages = self.capacity // _PAGE
-            bit = 1 << max(0, pages.bit_length() - 1)
-            while pages:
-                if pages & bit:
-                    t = _accelerator.pinned_empty(bit * _PAGE)
-                    start = -(-t.data_ptr() // _PAGE) * _PAGE
-                    usable = (t.data_ptr() + bit * _PAGE - start) // _PAGE
-                    pieces.append((t, start, usable))
-                    pages -= bit
-                bit >>= 1
+            if self.pinned is False:
+                raise RuntimeError("pinning failed before")
+            t = _accelerator.pinned_empty(size * _PAGE)
+            start = -(-t.data_ptr() // _PAGE) * _PAGE
+            piece: tuple[Any, int, int] = (t, start, (t.data_ptr() + size * _PAGE - start) // _PAGE)
             self.pinned = True
         except RuntimeError as exc:
-            pieces.clear()
-            region = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            pieces.append(
-                (
-                    region,
-                    ctypes.addressof(ctypes.c_char.from_buffer(region)),
-                    self.capacity // _PAGE,
-                )
-            )
+            region = mmap.mmap(-1, size * _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            piece = (region, ctypes.addressof(ctypes.c_char.from_buffer(region)), size)
+            if self.pinned is not False:
+                with _warn_lock:
+                    warn, _warned_pageable = not _warned_pageable, True
+                if warn:
+                    log.warning(
+                        "tierstore: pinning %s more of host memory failed (%s; %s was pinned "
+                        "before); the host tier uses pageable memory from now on, so copies "
+                        "between the accelerator and the host are synchronous and slower. "
+                        "Lower TIERSTORE_HOST_BYTES or raise the locked-memory limit "
+                        "(ulimit -l). (warned once)",
+                        format_size(size * _PAGE),
+                        exc,
+                        format_size(have * _PAGE),
+                    )
             self.pinned = False
-            with _warn_lock:
-                warn, _warned_pageable = not _warned_pageable, True
-            if warn:
-                log.warning(
-                    "tierstore: pinning %s of host memory (TIERSTORE_HOST_BYTES) failed "
-                    "(%s); the host tier uses pageable memory instead, so copies between the "
-                    "accelerator and the host are synchronous and slower. Lower "
-                    "TIERSTORE_HOST_BYTES or raise the locked-memory limit (ulimit -l). "
-                    "(warned once)",
-                    format_size(self.capacity),
-                    exc,
-                )
         # Pieces are numbered into one page space; extents never cross a piece's end.
-        first = 0
-        for owner, address, count in pieces:
-            self._regions.append(owner)
-            self._starts.append(first)
-            self._addresses.append(address)
-            if count:
-                self._free.append((first, count))
-            first += count
-        self._starts.append(first)
+        owner, address, count = piece
+        if not self._starts:
+            self._starts.append(0)
+        self._regions.append(owner)
+        self._addresses.append(address)
+        self._starts.append(have + count)
+        if count:
+            self._insert(have, count)
+        return count >= pages
 
     def take(
         self, nbytes: int, *, lead: int = 0, span: int | None = None
@@ -167,10 +169,10 @@ class PinnedPool:
             return None
         pages = _pages(span)
         with self._lock:
-            if not self._starts:
-                self._allocate()
             self._reap()
             first = self._carve(pages)
+            if first is None and self._grow(pages):
+                first = self._carve(pages)
             if first is None:
                 return None
             self.used_bytes += pages * _PAGE
