@@ -139,3 +139,26 @@ def test_the_offloaded_checkpoint_saves_against_torchs_checkpoint() -> None:
     assert lines["ts_disk"].endswith("80%")  # (1000 - 600) / 500
     assert lines["ts_ckpt"].endswith("50%")  # (500 - 468) / 64, not (1000 - 468) / 64
     assert lines["torch_ckpt"].endswith("-")
+
+
+def test_on_a_gpu_the_table_measures_the_gpus_peak() -> None:
+    from tierstore.bench.train import GPU_PEAK, table
+
+    mib = 1 << 20
+
+    def row(mode: str, gpu_mib: int, rss_mib: int, offloaded_mib: int = 0) -> dict[str, object]:
+        return {
+            "mode": mode,
+            "step_s_median": 1.0,
+            "cpu_s_median": 1.0,
+            "peak_rss_bytes": rss_mib * mib,
+            GPU_PEAK: gpu_mib * mib,
+            "offloaded_bytes_per_step": offloaded_mib * mib,
+        }
+
+    # Offloading to the host raises the RSS and lowers the GPU's peak: the GPU's is the saving.
+    text = table([row("none", 1000, 2000), row("ts_host", 200, 2900, 800)])
+    assert "peak GPU MiB" in text.splitlines()[0]
+    lines = {line.split()[0]: line for line in text.splitlines()[2:]}
+    assert lines["ts_host"].split()[5:7] == ["200", "-800"]
+    assert lines["ts_host"].endswith("100%")  # (1000 - 200) / 800

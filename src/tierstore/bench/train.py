@@ -12,10 +12,12 @@ Modes (each in a fresh process, so peaks do not mix):
   ts_ckpt         tierstore.checkpoint around each block, layer inputs on the disk tier
 
 Step time is the median of --steps steps after --warmup steps. Peak memory is the peak RSS
-sampled by a thread every --sample-ms during the measured steps (on CUDA also
-torch.cuda.max_memory_allocated). With --rounds N every mode runs N times, the modes taking
-turns, so that load from other processes on a shared machine falls on all modes alike; the
-step time is then the median over all rounds' steps and the peak the median of the rounds'.
+sampled by a thread every --sample-ms during the measured steps; on CUDA the table shows
+torch.cuda.max_memory_allocated instead, the memory offloading frees, and the workers use
+deterministic algorithms so that the gradient check below can compare bit for bit. With
+--rounds N every mode runs N times, the modes taking turns, so that load from other processes
+on a shared machine falls on all modes alike; the step time is then the median over all
+rounds' steps and the peak the median of the rounds'.
 
 Before it is timed, every mode trains one step from the same weights, batch and dropout seed
 and reports a digest of its loss and gradients. A mode whose digest differs from plain
@@ -60,6 +62,9 @@ __all__ = ["MODES", "Report", "main", "measure", "table"]
 
 MODES = ("none", "save_on_cpu", "torch_ckpt", "disk_baseline", "ts_host", "ts_disk", "ts_ckpt")
 
+GPU_PEAK = "cuda_max_allocated_bytes"
+"""A CUDA run's peak GPU memory (torch.cuda.max_memory_allocated over the measured steps)."""
+
 
 def store_for(mode: str, args: argparse.Namespace) -> Any:
     import tierstore
@@ -79,6 +84,13 @@ def store_for(mode: str, args: argparse.Namespace) -> Any:
 def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if device.type == "cuda":
+        # The gradient check compares bit for bit, so every mode must compute the same way:
+        # cuBLAS picks its reductions by workspace, and some kernels accumulate with atomics.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # Deterministic mode would also fill every torch.empty, the store's buffers included.
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     torch.manual_seed(0)
     model = Decoder(args.vocab, args.dim, args.heads, args.layers, args.dropout).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -112,11 +124,15 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         return nullcontext()
 
     cpu_times: list[float] = []
+    # Per step on CUDA: the GPU's peak allocation by the end of forward, and over the step.
+    forward_peaks: list[int] = []
+    step_peaks: list[int] = []
     digest = hashlib.sha256()
 
     def step(check: bool = False) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
         c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -124,6 +140,8 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             logits = model(ids[:, :-1], wrap)
             loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         del logits
+        if device.type == "cuda":
+            forward_peaks.append(torch.cuda.max_memory_allocated(device))
         loss.backward()  # type: ignore[no-untyped-call]
         if check:
             digest.update(loss.detach().cpu().numpy().tobytes())
@@ -133,6 +151,7 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+            step_peaks.append(torch.cuda.max_memory_allocated(device))
         cpu_times.append(time.process_time() - c0)
         return time.perf_counter() - t0
 
@@ -140,9 +159,9 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     step(check=True)  # also the first warm-up step
     for _ in range(args.warmup - 1):
         step()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     cpu_times.clear()
+    forward_peaks.clear()
+    step_peaks.clear()
     before = store.stats() if store is not None else None
     rss_before = PeakRSS.now()
     times: list[float] = []
@@ -168,7 +187,8 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "modes", "worker")},
     }
     if device.type == "cuda":
-        result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        result[GPU_PEAK] = max(step_peaks)
+        result["cuda_forward_peak_bytes"] = max(forward_peaks)
     if store is not None:
         # Writes of the last step may still be in flight; their bytes count when they end.
         while store.stats().inflight_bytes:
@@ -186,6 +206,9 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             get_wait_s_per_step=(after.get_wait_seconds - before.get_wait_seconds) / n,
             put_wait_s_per_step=(after.put_wait_seconds - before.put_wait_seconds) / n,
             skipped_bytes=dict(after.skipped_bytes),
+            # What the store itself held at most on the device and in host memory.
+            store_device_peak_bytes=after.device.peak_bytes,
+            store_host_peak_bytes=after.host.peak_bytes,
             summary=after.summary(),
         )
         store.close()
@@ -345,7 +368,9 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     result["step_s_median"] = statistics.median(times)
     result["cpu_s"] = cpu
     result["cpu_s_median"] = statistics.median(cpu)
-    for key in ("peak_rss_bytes", "rss_before_bytes", "ru_maxrss_bytes"):
+    for key in ("peak_rss_bytes", "rss_before_bytes", "ru_maxrss_bytes", GPU_PEAK):
+        if key not in result:
+            continue
         result[key] = int(statistics.median(r[key] for r in rounds))
         result[key + "_rounds"] = [r[key] for r in rounds]
     return result
@@ -373,28 +398,33 @@ checkpoint moves only block inputs, so what it saves is what torch's checkpoint 
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """The results as a text table; ``saved/offloaded`` is the peak RSS a mode saves against
-    plain training (against torch's checkpoint for ``ts_ckpt``) per byte it offloads."""
+    """The results as a text table; ``saved/offloaded`` is the peak memory a mode saves against
+    plain training (against torch's checkpoint for ``ts_ckpt``) per byte it offloads.
+
+    The peak is the process's RSS on the CPU and the GPU's peak allocation on CUDA, where
+    offloading moves activations out of the GPU's memory into the host's."""
     mib = 1 << 20
     by_mode = {r["mode"]: r for r in results}
     base = by_mode.get("none")
+    peak = GPU_PEAK if results and all(GPU_PEAK in r for r in results) else "peak_rss_bytes"
+    peak_name = "peak GPU MiB" if peak == GPU_PEAK else "peak RSS MiB"
     head = (
         f"{'mode':<12} {'step s':>8} {'x none':>7} {'CPU s':>7} {'x none':>7} "
-        f"{'peak RSS MiB':>13} {'vs none':>9} "
+        f"{peak_name:>13} {'vs none':>9} "
         f"{'offloaded MiB/step':>19} {'saved/offloaded':>16}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         ratio = r["step_s_median"] / base["step_s_median"] if base else float("nan")
         cpu_ratio = r["cpu_s_median"] / base["cpu_s_median"] if base else float("nan")
-        delta = (r["peak_rss_bytes"] - base["peak_rss_bytes"]) / mib if base else float("nan")
+        delta = (r[peak] - base[peak]) / mib if base else float("nan")
         off = r.get("offloaded_bytes_per_step")
         ref = by_mode.get(SAVED_AGAINST.get(r["mode"], "none"))
-        saved = f"{(ref['peak_rss_bytes'] - r['peak_rss_bytes']) / off:.0%}" if ref and off else "-"
+        saved = f"{(ref[peak] - r[peak]) / off:.0%}" if ref and off else "-"
         lines.append(
             f"{r['mode']:<12} {r['step_s_median']:>8.3f} {ratio:>7.2f} "
             f"{r['cpu_s_median']:>7.2f} {cpu_ratio:>7.2f} "
-            f"{r['peak_rss_bytes'] / mib:>13.0f} {delta:>+9.0f} "
+            f"{r[peak] / mib:>13.0f} {delta:>+9.0f} "
             f"{(off or 0) / mib:>19.0f} {saved:>16}"
         )
     return "\n".join(lines)

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Everything that needs a CUDA device, in one run of about 4 minutes on one H100 or H200:
+#   1. the GPU tests (pytest -m gpu) under PyTorch's CUDA Stream Sanitizer;
+#   2. GPU tensors through the host and disk tiers against plain pinned copies (gpu_copy.py);
+#   3. the training-step benchmark on the GPU, every mode's gradients checked bit for bit
+#      against plain training (a mode that differs is refused and the step fails);
+#   4. with GPU_CHECK_SUITE=1, also the suite with CUDA present (3 more minutes), where the
+#      host tier allocates pinned memory.
+# Logs go to $OUT (default ./gpu-out). Packages the machine lacks can travel as wheels in
+# .whl/ (zarr, numcodecs, donfig, google-crc32c, isal, pytest-asyncio); they are installed
+# into /tmp/site. Each step has its own time limit, so one that hangs leaves the rest to run.
+#
+#     bash benchmarks/gpu_check.sh
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+spill=${SPILL_DIR:-/var/tmp}
+failed=()
+
+step() { echo; echo "== $1 ($(date -u +%T))"; }
+check() { local rc=$?; [ $rc -eq 0 ] || failed+=("$1 (exit $rc)"); }
+
+step "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv
+python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())"
+echo "cores $(nproc), $(free -g | awk '/Mem/ {print $2}') GiB"
+df -h "$spill" | tail -1
+
+step "GPU tests under the CUDA Stream Sanitizer"
+set -o pipefail
+TORCH_CUDA_SANITIZER=1 timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests \
+    2>&1 | tee "$out/gpu-tests.log" | tail -15
+check "GPU tests"
+
+step "GPU tensors through the store"
+timeout 60 python3 benchmarks/gpu_copy.py --size 64MiB --count 16 --rounds 3 --disk-dir "$spill" \
+    2>&1 | tee "$out/gpu-copy.log"
+check "gpu_copy"
+
+step "training step on the GPU: 8 blocks, width 1024, sequence 1024, batch 4"
+timeout 150 python3 -m tierstore.bench.train --device cuda --layers 8 --dim 1024 --heads 16 \
+    --seq 1024 --batch 4 --warmup 2 --steps 3 --disk-dir "$spill" \
+    --modes none,save_on_cpu,torch_ckpt,disk_baseline,ts_host,ts_ckpt \
+    --json "$out/train-cuda.jsonl" 2>&1 | tee "$out/train-cuda.log"
+check "train"
+
+step "training step on the GPU, disk tier: 4 blocks, width 512, sequence 1024, batch 4"
+timeout 60 python3 -m tierstore.bench.train --device cuda --layers 4 --dim 512 --heads 8 \
+    --seq 1024 --batch 4 --warmup 1 --steps 2 --disk-dir "$spill" --modes none,ts_disk \
+    --json "$out/train-cuda-disk.jsonl" 2>&1 | tee "$out/train-cuda-disk.log"
+check "train disk"
+
+if [ "${GPU_CHECK_SUITE:-0}" = 1 ]; then
+    step "the suite with CUDA present (lint and type checks run on the CPU machine)"
+    timeout 180 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 --maxfail=20 \
+        tests --ignore=tests/test_lint.py 2>&1 | tee "$out/suite.log" | tail -25
+    check "suite"
+fi
+
+step "done"
+if [ ${#failed[@]} -gt 0 ]; then
+    printf 'FAILED: %s\n' "${failed[@]}"
+    exit 1
+fi
+echo "all steps passed"
