@@ -56,6 +56,36 @@ def test_grads_equal_with_dropout_and_each_tier(store_factory: StoreFactory, tie
         assert stats.bytes_to_disk == stats.bytes_put and stats.bytes_from_disk > 0
 
 
+def test_torch_that_reads_inputs_through_input_saver(
+    store_factory: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch before ``_CheckpointFrame.get_inputs`` (2.11, for one) reads a frame's inputs as
+    ``frame.input_saver.grad_fn.get_args(ctx.saved_tensors)``; without an answer there, a
+    checkpoint's backward failed on a GPU machine with ``'NoneType' object has no attribute
+    'grad_fn'``. Here torch's own call is routed through that older path."""
+    from tierstore.adapters import _checkpoint
+
+    monkeypatch.setattr(_checkpoint, "_FRAME_READS_INPUTS", False)
+    direct = _checkpoint._StoreFrame.get_inputs
+    routed: list[int] = []
+
+    def as_older_torch(frame: Any) -> list[Any]:
+        if getattr(frame, "_in_saver", False):
+            return direct(frame)
+        ctx = frame.input_saver.grad_fn
+        frame._in_saver = True
+        try:
+            routed.append(1)
+            return list(ctx.get_args(ctx.saved_tensors))
+        finally:
+            frame._in_saver = False
+
+    monkeypatch.setattr(_checkpoint._StoreFrame, "get_inputs", as_older_torch)
+    expected = train_steps(None)
+    assert_equal_tensors(expected, train_steps(store_factory("disk")))
+    assert routed, "torch never asked for the inputs"
+
+
 def test_without_preserving_rng_dropout_differs(store_factory: StoreFactory) -> None:
     # The control for the test above: the RNG restore is what makes the gradients identical.
     store = store_factory("host")

@@ -99,6 +99,34 @@ class _Input:
         return t.detach().requires_grad_() if self.requires_grad else t
 
 
+_FRAME_READS_INPUTS = hasattr(torch_checkpoint._CheckpointFrame, "get_inputs")
+"""Whether torch's unpack hook reads a frame's inputs through ``frame.get_inputs()``.
+
+Before that method existed, the hook read them as ``frame.input_saver.grad_fn.get_args(
+ctx.saved_tensors)``, from an autograd node that saved them; :class:`_InputSaver` answers the
+same calls from the store (seen on torch 2.11, where a checkpoint's backward otherwise fails
+with ``'NoneType' object has no attribute 'grad_fn'``)."""
+
+
+class _InputSaver:
+    """``frame.input_saver`` for torch without ``_CheckpointFrame.get_inputs``: its
+    ``grad_fn`` hands torch's unpack hook the frame's inputs, fetched from the store."""
+
+    saved_tensors: tuple[torch.Tensor, ...] = ()
+
+    def __init__(self, frame: _StoreFrame) -> None:
+        self._frame = weakref.ref(frame)  # the frame holds this object: no cycle
+
+    @property
+    def grad_fn(self) -> _InputSaver:
+        return self
+
+    def get_args(self, saved_tensors: tuple[torch.Tensor, ...]) -> list[Any]:
+        frame = self._frame()
+        assert frame is not None, "a checkpoint's inputs were read after its frame died"
+        return frame.get_inputs()
+
+
 class _StoreFrame(torch_checkpoint._CheckpointFrame):
     """torch's checkpoint frame, with its inputs in a store instead of saved variables."""
 
@@ -112,6 +140,8 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
         # The checkpoint run just before this one on this thread into this store: backward
         # recomputes in reverse, so its inputs are needed next.
         self.prev: weakref.ref[_StoreFrame] | None = None
+        if not _FRAME_READS_INPUTS:
+            self.input_saver = _InputSaver(self)
 
     def save_inputs(self, *args: Any) -> None:
         table = _table_of(self.store)
