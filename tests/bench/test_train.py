@@ -142,7 +142,7 @@ def test_the_offloaded_checkpoint_saves_against_torchs_checkpoint() -> None:
 
 
 def test_on_a_gpu_the_table_measures_the_gpus_peak() -> None:
-    from tierstore.bench.train import GPU_PEAK, table
+    from tierstore.bench.train import FORWARD_PEAK, GPU_PEAK, table
 
     mib = 1 << 20
 
@@ -158,7 +158,14 @@ def test_on_a_gpu_the_table_measures_the_gpus_peak() -> None:
 
     # Offloading to the host raises the RSS and lowers the GPU's peak: the GPU's is the saving.
     text = table([row("none", 1000, 2000), row("ts_host", 200, 2900, 800)])
-    assert "peak GPU MiB" in text.splitlines()[0]
+    assert "peak GPU MiB" in text.splitlines()[0] and "fwd GPU" not in text
     lines = {line.split()[0]: line for line in text.splitlines()[2:]}
     assert lines["ts_host"].split()[5:7] == ["200", "-800"]
     assert lines["ts_host"].endswith("100%")  # (1000 - 200) / 800
+
+    # The optimizer's step can set the step's peak in every mode: the forward's shows the saving.
+    rows = [row("torch_ckpt", 2768, 1200), row("ts_ckpt", 2768, 1900, 128)]
+    rows[0][FORWARD_PEAK], rows[1][FORWARD_PEAK] = 2276 * mib, 2164 * mib
+    text = table(rows)
+    assert "fwd GPU MiB" in text.splitlines()[0]
+    assert text.splitlines()[3].split()[7] == "2164"

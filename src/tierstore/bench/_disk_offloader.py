@@ -107,6 +107,10 @@ class _DiskCheckpoint(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.offloader, ctx.saved, ctx.layer = offloader, saved, layer
         ctx.rng = torch.get_rng_state()
+        # Dropout on a GPU draws from the device's generator: the recompute needs its state too
+        # (without it, the baseline's gradients differed from plain training on an H200).
+        ctx.device = x.device if x.is_cuda else None
+        ctx.device_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
         with torch.no_grad():
             out: torch.Tensor = layer(x)
         return out
@@ -114,8 +118,10 @@ class _DiskCheckpoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, torch.Tensor | None]:
         x = ctx.offloader.load(ctx.saved).requires_grad_()
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[] if ctx.device is None else [ctx.device]):
             torch.set_rng_state(ctx.rng)
+            if ctx.device is not None:
+                torch.cuda.set_rng_state(ctx.device_rng, ctx.device)
             with torch.enable_grad():
                 out = ctx.layer(x)
         torch.autograd.backward(out, grad)
