@@ -31,6 +31,7 @@ Note: [Stores are independent]
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import warnings
 import weakref
@@ -106,6 +107,12 @@ Before that method existed, the hook read them as ``frame.input_saver.grad_fn.ge
 ctx.saved_tensors)``, from an autograd node that saved them; :class:`_InputSaver` answers the
 same calls from the store (seen on torch 2.11, where a checkpoint's backward otherwise fails
 with ``'NoneType' object has no attribute 'grad_fn'``)."""
+
+
+_STATES_TAKE_TYPE = (
+    "device_type" in inspect.signature(torch_checkpoint.set_device_states).parameters
+)
+"""Whether torch's ``set_device_states`` takes ``device_type`` (older releases infer it)."""
 
 
 class _InputSaver:
@@ -220,7 +227,7 @@ def _frames(
     )
     device_module = tc._get_device_module(device_type)  # type: ignore[no-untyped-call]
     forward_context, recompute_context = context_fn()
-    device_autocast, cpu_autocast = tc._get_autocast_kwargs(device_type=device_type)  # type: ignore[no-untyped-call]
+    device_autocast, cpu_autocast = tc._get_autocast_kwargs(device_type)  # type: ignore[no-untyped-call]
     had_device = preserve_rng_state and getattr(device_module, "_initialized", False)
     cpu_state = torch.get_rng_state() if preserve_rng_state else None
     devices: list[int] = []
@@ -234,8 +241,10 @@ def _frames(
         ):
             if cpu_state is not None:
                 torch.set_rng_state(cpu_state)
-                if had_device:
+                if had_device and _STATES_TAKE_TYPE:
                     tc.set_device_states(devices, device_states, device_type=device_type)
+                elif had_device:
+                    tc.set_device_states(devices, device_states)
             autocast = (
                 torch.amp.autocast(device_type=device_type, **device_autocast)
                 if torch.amp.is_autocast_available(device_type)
