@@ -95,12 +95,12 @@ class PinnedPool:
         Note: [Pinned as needed, in power-of-two pieces]
             The region grows piece by piece as buffers are taken, each piece as large as
             everything pinned before it (at least 64 MiB and the request), so the pool pins
-            about what the store has used at its peak, never the whole ``host_bytes`` up
-            front: with ``host_bytes="unlimited"`` that would try to lock all of the machine's
-            memory, and PyTorch keeps what it pinned cached, out of the OS's reach, even when a
-            later piece fails. Each piece is a power of two pages, because PyTorch's pinned
-            allocator rounds every request up to one (24 GiB asked would lock 32). A buffer
-            never straddles two pieces.
+            at most about twice what the store has used at its peak (fragmentation aside),
+            never the whole ``host_bytes`` up front: with ``host_bytes="unlimited"`` that
+            would try to lock all of the machine's memory, and PyTorch keeps what it pinned
+            cached, out of the OS's reach, even when a later piece fails. Each piece is a
+            power of two pages, because PyTorch's pinned allocator rounds every request up to
+            one (24 GiB asked would lock 32). A buffer never straddles two pieces.
         """
         global _warned_pageable
         have = self._starts[-1] if self._starts else 0
