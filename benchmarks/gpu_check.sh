@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA device, in one run of about 4 minutes on one H100 or H200:
+# Everything that needs a CUDA device, in one run of about 6 minutes on one H100 or H200:
 #   1. the GPU tests (pytest -m gpu) under PyTorch's CUDA Stream Sanitizer;
-#   2. GPU tensors through the host and disk tiers against plain pinned copies (gpu_copy.py);
+#   2. GPU tensors through the host and disk tiers against plain pinned copies (gpu_copy.py),
+#      and the machine's disk against its raw limit (tierstore-bench disk, dd or fio);
 #   3. the training-step benchmark on the GPU, every mode's gradients checked bit for bit
-#      against plain training (a mode that differs is refused and the step fails);
+#      against plain training (a mode that differs is refused and the step fails), two
+#      rounds with the modes taking turns;
 #   4. with GPU_CHECK_SUITE=1, also the suite with CUDA present (3 more minutes), where the
 #      host tier allocates pinned memory.
 # Logs go to $OUT (default ./gpu-out). Packages the machine lacks can travel as wheels in
@@ -46,9 +48,14 @@ timeout 60 python3 benchmarks/gpu_copy.py --size 64MiB --count 16 --rounds 3 --d
     2>&1 | tee "$out/gpu-copy.log"
 check "gpu_copy"
 
+step "this machine's disk: the store against the raw limit, 64 MiB tensors"
+timeout 90 python3 -m tierstore.bench disk --sizes 64MiB --total 2GiB --repeats 2 \
+    --engines raw-limit,tierstore-raw --dir "$spill" --no-progress 2>&1 | tee "$out/disk.log"
+check "disk"
+
 step "training step on the GPU: 8 blocks, width 1024, sequence 1024, batch 4"
-timeout 150 python3 -m tierstore.bench.train --device cuda --layers 8 --dim 1024 --heads 16 \
-    --seq 1024 --batch 4 --warmup 2 --steps 3 --disk-dir "$spill" \
+timeout 240 python3 -m tierstore.bench.train --device cuda --layers 8 --dim 1024 --heads 16 \
+    --seq 1024 --batch 4 --warmup 2 --steps 3 --rounds 2 --disk-dir "$spill" \
     --modes none,save_on_cpu,torch_ckpt,disk_baseline,ts_host,ts_ckpt \
     --json "$out/train-cuda.jsonl" 2>&1 | tee "$out/train-cuda.log"
 check "train"
