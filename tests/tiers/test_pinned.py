@@ -173,3 +173,62 @@ def test_an_empty_pool_takes_nothing(pinning: FakePinning) -> None:
     assert pinning.requests == []
     with pytest.raises(ValueError, match="do not fit"):
         PinnedPool(PAGE).take(PAGE, lead=1, span=PAGE)
+
+
+def test_threads_taking_while_the_pool_grows_never_share_a_byte(pinning: FakePinning) -> None:
+    """Four threads take and drop buffers of 1 B to 9 MiB while the region grows piece by
+    piece: no two live buffers overlap, every piece is a power of two pages within the
+    capacity, and everything comes back."""
+    import random
+    import threading
+
+    pool = PinnedPool(96 * MiB)
+    live: dict[int, tuple[int, int]] = {}  # id(buffer) -> (start, end)
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        held: list[torch.Tensor] = []
+        for _ in range(400):
+            if held and rng.random() < 0.4:
+                buf = held.pop(rng.randrange(len(held)))
+                with lock:
+                    del live[id(buf)]
+                del buf
+                continue
+            n = rng.choice([1, PAGE, 5 * PAGE + 3, 200 * 1024, 3 * MiB, 9 * MiB])
+            got = pool.take(n)
+            if got is None:
+                continue  # full for the moment: the caller uses ordinary memory
+            window = got[0]
+            start = window.data_ptr()
+            end = start + window.numel()
+            pieces = pool.pieces()
+            with lock:
+                if not any(a <= start and end <= a + size for a, size in pieces):
+                    errors.append(f"{(start, end)} is not inside one piece of {pieces}")
+                for other, (s, e) in live.items():
+                    if start < e and s < end:
+                        errors.append(f"{(start, end)} overlaps {(s, e)} of {other}")
+                live[id(window)] = (start, end)
+            window[0] = seed  # touch it
+            held.append(window)
+        with lock:
+            for buf in held:
+                del live[id(buf)]
+        held.clear()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gc.collect()
+    assert not errors, errors[:3]
+    assert all(r % PAGE == 0 and (r // PAGE) & (r // PAGE - 1) == 0 for r in pinning.requests)
+    assert sum(pinning.requests) <= 96 * MiB and len(pinning.requests) >= 2
+    assert pool.free_bytes() == pool.capacity
+    # Every piece merged back whole: each can be taken in one buffer again.
+    whole = [pool.take(size) for _, size in sorted(pool.pieces(), key=lambda p: -p[1])]
+    assert None not in whole
