@@ -331,6 +331,21 @@ def test_host_bytes_are_reserved_for_copies_in_flight(env: Env, device: str) -> 
     assert torch.equal(on_host(store.get(h)), want)
 
 
+def test_an_unlimited_host_tier_pins_what_it_holds(env: Env) -> None:
+    """Note: [Pinned as needed, in power-of-two pieces]: a store whose host tier is
+    "unlimited" once pinned all of the machine's memory at its first copy (on an H200 that
+    failed part way and got the process killed). It pins what its tensors need, and every
+    tensor comes back exact."""
+    store = env.store("host", host_bytes="unlimited")
+    made = [produced("cuda:0", "contiguous", seed=i, rows=512, cols=1024) for i in range(6)]
+    hs = [store.put(t) for t, _ in made]  # 2 MiB each
+    assert all(rests(store, h) is Tier.HOST for h in hs)
+    pinned = sum(n for _, n, _ in env.sim.pinned)
+    assert 12 * MiB <= pinned <= 64 * MiB, pinned  # the first piece, not the machine
+    for h, (_, want) in zip(hs, made, strict=True):
+        assert torch.equal(on_host(store.get(h)), want)
+
+
 def test_the_legacy_cuda_api_path(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """On torch before 2.6 the seam uses torch.cuda's streams and events; same result."""
     monkeypatch.setattr(_accelerator, "_generic", lambda: False)
