@@ -113,3 +113,63 @@ async def test_a_missing_chunk_file_is_detected(engine: ZarrEngine) -> None:
     _chunk_files(engine, 1)[1].unlink()
     with pytest.raises(CorruptTensorError, match="lost 1"):
         await engine.read(1, torch.empty_like(src))
+
+
+async def test_a_full_directory_is_skipped_until_it_has_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Note: [A full directory is skipped here too]: with the first of two directories full
+    (ENOSPC part way through an array), every array goes to the second, with one warning and
+    nothing left behind in the first; once the first has room, its own keys go there again."""
+    import errno
+    import logging
+
+    from tierstore.tiers import _zarr
+
+    engine = ZarrEngine(make_dirs(tmp_path, 2), StoreConfig.from_env({}, io_chunk_bytes=CHUNK))
+    first = engine.directories[0] / GROUP
+    full = {"yes": True}
+    real_write, real_free = ZarrEngine._write, _zarr._free_bytes
+
+    def write(self: ZarrEngine, key: int, src: torch.Tensor, *args: object) -> None:
+        home = args[-1]
+        if full["yes"] and home == 0:
+            (first / f"{key:016x}").mkdir()  # what a write makes before the disk fills
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(self, key, src, *args)  # type: ignore[arg-type]
+
+    def free_bytes(path: Path) -> int:
+        return 0 if full["yes"] and path == first else real_free(path)
+
+    monkeypatch.setattr(ZarrEngine, "_write", write)
+    monkeypatch.setattr(_zarr, "_free_bytes", free_bytes)
+    srcs = {k: random_bytes(3 * CHUNK + k, seed=k) for k in range(8)}
+    try:
+        with caplog.at_level(logging.WARNING, logger="tierstore"):
+            for k, t in srcs.items():
+                await engine.write(k, t)
+        warned = [r.getMessage() for r in caplog.records]
+        assert len(warned) == 1 and f"spill directory {engine.directories[0]} is full" in warned[0]
+        assert list(first.glob("0*")) == []  # the partial arrays were removed
+        for k, t in srcs.items():
+            out = torch.empty_like(t)
+            await engine.read(k, out)
+            assert torch.equal(out, t)
+        await engine.delete(0)
+        assert not (engine.directories[1] / GROUP / f"{0:016x}").exists()
+        full["yes"] = False  # space came back
+        await engine.write(10, random_bytes(100))
+        assert (first / f"{10:016x}").is_dir()
+
+        # Every directory full: the write fails with ENOSPC, and nothing is stored.
+        def no_room(*args: object) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(ZarrEngine, "_write", no_room)
+        with pytest.raises(OSError) as info:
+            await engine.write(11, random_bytes(100))
+        assert info.value.errno == errno.ENOSPC
+        with pytest.raises(KeyError):
+            await engine.read(11, torch.empty(100, dtype=torch.uint8))
+    finally:
+        await engine.close()

@@ -1,7 +1,8 @@
 """The zarr disk engine (``TIERSTORE_DISK_FORMAT=zarr``): one zarr v3 array per spilled tensor.
 
 Each spill directory holds one zarr v3 group, ``spill.zarr``; tensor ``key`` becomes the array
-``spill.zarr/<key as 16 hex digits>`` in the group of directory ``key % len(directories)``.
+``spill.zarr/<key as 16 hex digits>`` in the group of directory ``key % len(directories)``, or
+of the next one with room when that one is full (Note: [A full directory is skipped here too]).
 Arrays are uncompressed, so any zarr v3 reader can open a spill while the process runs:
 
 * When the store passes the tensor's ``dtype`` and ``shape`` and zarr has that dtype, the
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import logging
 import math
 import os
 import shutil
@@ -39,6 +42,10 @@ if TYPE_CHECKING:
     from tierstore.config import StoreConfig
 
 __all__ = ["GROUP", "ZarrEngine", "numpy_dtype"]
+
+log = logging.getLogger("tierstore")
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 GROUP = "spill.zarr"
 """Name of the zarr group inside each private spill directory."""
@@ -98,11 +105,48 @@ class ZarrEngine(DiskEngine):
             zarr.open_group(str(root), mode="w-", zarr_format=3)
             _make_private(root)
         self._sizes: dict[int, int] = {}
+        self._homes: dict[int, int] = {}
+        """The directory (index) each stored key's array is in."""
+        self._full: set[int] = set()
+        self._warned_full: set[int] = set()
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-zarr")
         self._closed = False
 
-    def _path(self, key: int) -> Path:
-        return self._roots[key % len(self._roots)] / _key_name(key)
+    def _path(self, key: int, home: int | None = None) -> Path:
+        home = self._homes[key] if home is None else home
+        return self._roots[home] / _key_name(key)
+
+    def _homes_to_try(self, key: int, nbytes: int) -> list[int]:
+        """The directories worth trying for ``key``, its own first.
+
+        Note: [A full directory is skipped here too]
+            As in the raw engine (Note: [A full directory is skipped]): a write that fails
+            for want of space (ENOSPC, EDQUOT) marks its directory full, with one warning,
+            and the array is written in the next directory instead; only when every one is
+            full does the write fail. A full directory is tried again once its filesystem
+            has room for the array.
+        """
+        n = len(self._roots)
+        order = []
+        for i in ((key + j) % n for j in range(n)):
+            if i in self._full and _free_bytes(self._roots[i]) >= self.footprint(nbytes):
+                self._full.discard(i)
+                log.info("tierstore: spill directory %s has room again", self.directories[i])
+            if i not in self._full:
+                order.append(i)
+        # All full: try them all anyway (the space may be back); the error then says so.
+        return order or [(key + j) % n for j in range(n)]
+
+    def _mark_full(self, home: int, error: OSError) -> None:
+        self._full.add(home)
+        if len(self._roots) > 1 and home not in self._warned_full:
+            self._warned_full.add(home)
+            log.warning(
+                "tierstore: spill directory %s is full (%s); spilling to the other "
+                "directories until it has room again (warned once)",
+                self.directories[home],
+                error.strerror or error,
+            )
 
     def footprint(self, nbytes: int) -> int:
         """Chunk files padded to filesystem blocks, their 4-byte checksums, and the metadata."""
@@ -122,15 +166,23 @@ class ZarrEngine(DiskEngine):
         if key in self._sizes:
             raise KeyError(f"key {key} is already stored; delete it first")
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool, self._write, key, src, dtype, shape)
-        try:
-            await asyncio.shield(fut)
-        except BaseException:
-            # Cancelled or failed: let the thread finish before removing what it made.
-            await asyncio.wait([fut])
-            await loop.run_in_executor(self._pool, _remove, self._path(key))
-            raise
-        self._sizes[key] = src.numel()
+        homes = self._homes_to_try(key, src.numel())
+        for n, home in enumerate(homes):
+            fut = loop.run_in_executor(self._pool, self._write, key, src, dtype, shape, home)
+            try:
+                await asyncio.shield(fut)
+            except BaseException as exc:
+                # Cancelled or failed: let the thread finish before removing what it made.
+                await asyncio.wait([fut])
+                await loop.run_in_executor(self._pool, _remove, self._path(key, home))
+                if isinstance(exc, OSError) and exc.errno in _FULL:
+                    self._mark_full(home, exc)
+                    if n + 1 < len(homes):
+                        continue
+                raise
+            self._homes[key] = home
+            self._sizes[key] = src.numel()
+            return
 
     async def read(self, key: int, out: torch.Tensor) -> None:
         """Fill ``out`` with the bytes of ``key``.
@@ -145,12 +197,14 @@ class ZarrEngine(DiskEngine):
             raise CorruptTensorError(
                 f"key {key}: {size} bytes were spilled but {out.numel()} were asked for"
             )
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._read, key, out)
+        path = self._path(key)
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._read, path, out)
 
     async def delete(self, key: int) -> None:
         """Remove the array of ``key`` (a missing key is ignored)."""
         if self._sizes.pop(key, None) is not None:
-            await asyncio.get_running_loop().run_in_executor(self._pool, _remove, self._path(key))
+            path = self._path(key, self._homes.pop(key))
+            await asyncio.get_running_loop().run_in_executor(self._pool, _remove, path)
 
     async def close(self) -> None:
         """Wait for the threads and remove the groups (idempotent)."""
@@ -159,6 +213,7 @@ class ZarrEngine(DiskEngine):
         self._closed = True
         await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
         self._sizes.clear()
+        self._homes.clear()
         for root in self._roots:
             _remove(root)
 
@@ -178,7 +233,12 @@ class ZarrEngine(DiskEngine):
     # -- blocking work on the engine's threads ---------------------------------------------
 
     def _write(
-        self, key: int, src: torch.Tensor, dtype: torch.dtype | None, shape: tuple[int, ...] | None
+        self,
+        key: int,
+        src: torch.Tensor,
+        dtype: torch.dtype | None,
+        shape: tuple[int, ...] | None,
+        home: int,
     ) -> None:
         import zarr
         from zarr.codecs import Crc32cCodec
@@ -193,7 +253,7 @@ class ZarrEngine(DiskEngine):
         ):
             data = data.view(typed).reshape(shape)
         chunks = _chunk_shape(data.shape, data.dtype.itemsize, self.config.io_chunk_bytes)
-        path = self._path(key)
+        path = self._path(key, home)
         group = zarr.open_group(str(path.parent), mode="r+", zarr_format=3)
         array = group.create_array(
             _key_name(key),
@@ -214,10 +274,9 @@ class ZarrEngine(DiskEngine):
             array[...] = data
         _make_private(path)
 
-    def _read(self, key: int, out: torch.Tensor) -> None:
+    def _read(self, path: Path, out: torch.Tensor) -> None:
         import zarr
 
-        path = self._path(key)
         try:
             array = zarr.open_array(str(path), mode="r", zarr_format=3)
             if array.size and array.nchunks_initialized != array.nchunks:
@@ -251,6 +310,13 @@ def _chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tup
     row = max(1, math.prod(shape[1:]) * itemsize)
     first = max(1, min(shape[0], chunk_bytes // row))
     return (first, *(max(1, s) for s in shape[1:]))
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
 
 
 def _make_private(path: Path) -> None:
