@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA device, in one run of about 6 minutes on one H100 or H200:
+# Everything that needs a CUDA device, in one run of about 8 minutes on one H100 or H200:
 #   1. the GPU tests (pytest -m gpu) under PyTorch's CUDA Stream Sanitizer;
 #   2. GPU tensors through the host and disk tiers against plain pinned copies (gpu_copy.py),
 #      and the machine's disk against its raw limit (tierstore-bench disk, dd or fio);
@@ -59,6 +59,13 @@ timeout 240 python3 -m tierstore.bench.train --device cuda --layers 8 --dim 1024
     --modes none,save_on_cpu,torch_ckpt,disk_baseline,ts_host,ts_ckpt \
     --json "$out/train-cuda.jsonl" 2>&1 | tee "$out/train-cuda.log"
 check "train"
+
+step "the same with the store's default windows (256 MiB to prefetch, 256 MiB in flight)"
+timeout 150 python3 -m tierstore.bench.train --device cuda --layers 8 --dim 1024 --heads 16 \
+    --seq 1024 --batch 4 --warmup 2 --steps 3 --rounds 2 --disk-dir "$spill" \
+    --prefetch-bytes 256MiB --inflight-bytes 256MiB --modes none,save_on_cpu,ts_host,ts_ckpt \
+    --json "$out/train-cuda-windows.jsonl" 2>&1 | tee "$out/train-cuda-windows.log"
+check "train, default windows"
 
 step "training step on the GPU, disk tier: 4 blocks, width 512, sequence 1024, batch 4"
 timeout 60 python3 -m tierstore.bench.train --device cuda --layers 4 --dim 512 --heads 8 \
