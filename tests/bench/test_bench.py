@@ -182,6 +182,10 @@ def test_the_default_run_answers_both_questions_and_draws_them(
     data = json.loads(out.read_text())
     assert {r["mode"] for r in data["train"]} == {"none", "ts_disk"}
     assert {r["engine"] for r in data["disk"]} >= {"tierstore-raw-steady", "torch.save"}
+    # The headline names the tool that measured the disk's limit (fio, or dd where fio is
+    # absent), not fio whatever ran.
+    tool = data["machine"]["raw_limit_tool"].split()[0]
+    assert f"the disk limit is {tool}" in text and f"{tool} writing a new file" in text
 
 
 @pytest.mark.parametrize("command", [[], ["disk"]], ids=["default", "disk"])

@@ -106,7 +106,7 @@ def _quick(args: argparse.Namespace, plot: Path | None) -> int:
         )
     for r in report.results:
         r["label"] = LABELS[r["mode"]]
-    print(headline(disk.results, report))
+    print(headline(disk.results, report, disk.machine.get("raw_limit_tool")))
     print(f"\n(took {time.monotonic() - t0:.0f} s; 'tierstore-bench --full' sweeps every size")
     print(" and path, 'tierstore-bench train --help' sizes the model)")
     if args.json is not None:
@@ -119,9 +119,14 @@ def _quick(args: argparse.Namespace, plot: Path | None) -> int:
     return 1 if report.wrong else 0
 
 
-def headline(disk: list[dict[str, Any]], report: train.Report) -> str:
-    """The two answers as two small tables (medians; GB/s is 10**9 bytes per second)."""
+def headline(disk: list[dict[str, Any]], report: train.Report, tool: object = None) -> str:
+    """The two answers as two small tables (medians; GB/s is 10**9 bytes per second).
+
+    ``tool``: what measured the raw disk limit (``measure_raw_limit``'s description); the
+    text names fio or dd after it.
+    """
     by = {(r["engine"], r["op"], r["size_bytes"]): r for r in disk}
+    limit = str(tool).split()[0] if tool else "the disk tool"
 
     def med(engine: str, op: str, size: int) -> float:
         row = by.get((engine, op, size))
@@ -130,7 +135,7 @@ def headline(disk: list[dict[str, Any]], report: train.Report) -> str:
     lines = [
         f"How fast this store spills and reads back here (GB/s, median of {QUICK_REPEATS};",
         f"{QUICK_TOTAL // MiB} MiB per run, host tier empty; steady state, as in every training",
-        "step after the first: spills reuse space freed before, and the disk limit is fio",
+        f"step after the first: spills reuse space freed before, and the disk limit is {limit}",
         "overwriting its file):",
         f"{'tensor':>8}  {'tierstore':>16}  {'raw disk limit':>16}  {'torch.save/load':>16}"
         f"  {'vs disk':>13}  {'vs torch':>13}",
@@ -151,7 +156,7 @@ def headline(disk: list[dict[str, Any]], report: train.Report) -> str:
         first.append(
             f"{size // MiB} MiB {med('tierstore-raw', 'write', size):.2f} write "
             f"({med('tierstore-raw', 'write', size) / med('raw-limit', 'write', size):.2f}x "
-            "fio writing a new file)"
+            f"{limit} writing a new file)"
         )
     lines.append("first spill, into new space: " + "; ".join(first))
 
