@@ -241,10 +241,9 @@ def _frames(
         ):
             if cpu_state is not None:
                 torch.set_rng_state(cpu_state)
-                if had_device and _STATES_TAKE_TYPE:
-                    tc.set_device_states(devices, device_states, device_type=device_type)
-                elif had_device:
-                    tc.set_device_states(devices, device_states)
+                if had_device:
+                    typed = {"device_type": device_type} if _STATES_TAKE_TYPE else {}
+                    tc.set_device_states(devices, device_states, **typed)
             autocast = (
                 torch.amp.autocast(device_type=device_type, **device_autocast)
                 if torch.amp.is_autocast_available(device_type)

@@ -102,7 +102,6 @@ class PinnedPool:
             power of two pages, because PyTorch's pinned allocator rounds every request up to
             one (24 GiB asked would lock 32). A buffer never straddles two pieces.
         """
-        global _warned_pageable
         have = self._starts[-1] if self._starts else 0
         room = self.capacity // _PAGE - have
         want = max(have, _FIRST_PIECE // _PAGE, pages)
@@ -111,31 +110,15 @@ class PinnedPool:
             size >>= 1
         if size < pages:
             return False
-        try:
-            if self.pinned is False:
-                raise RuntimeError("pinning failed before")
-            t = _accelerator.pinned_empty(size * _PAGE)
-            start = -(-t.data_ptr() // _PAGE) * _PAGE
-            piece: tuple[Any, int, int] = (t, start, (t.data_ptr() + size * _PAGE - start) // _PAGE)
-            self.pinned = True
-        except RuntimeError as exc:
+        # Once a piece failed to pin, later ones are pageable without trying again.
+        pinned = _pinned_piece(size, have) if self.pinned is not False else None
+        self.pinned = pinned is not None
+        piece: tuple[Any, int, int]
+        if pinned is not None:
+            piece = pinned
+        else:
             region = mmap.mmap(-1, size * _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             piece = (region, ctypes.addressof(ctypes.c_char.from_buffer(region)), size)
-            if self.pinned is not False:
-                with _warn_lock:
-                    warn, _warned_pageable = not _warned_pageable, True
-                if warn:
-                    log.warning(
-                        "tierstore: pinning %s more of host memory failed (%s; %s was pinned "
-                        "before); the host tier uses pageable memory from now on, so copies "
-                        "between the accelerator and the host are synchronous and slower. "
-                        "Lower TIERSTORE_HOST_BYTES or raise the locked-memory limit "
-                        "(ulimit -l). (warned once)",
-                        format_size(size * _PAGE),
-                        exc,
-                        format_size(have * _PAGE),
-                    )
-            self.pinned = False
         # Pieces are numbered into one page space; extents never cross a piece's end.
         owner, address, count = piece
         if not self._starts:
@@ -236,6 +219,31 @@ class PinnedPool:
             held, self._held = self._held, []
         for event, _ in held:
             event.synchronize()
+
+
+def _pinned_piece(pages: int, have: int) -> tuple[torch.Tensor, int, int] | None:
+    """``(owner, first page address, usable pages)`` of ``pages`` pinned pages, or None if
+    pinning failed (warned once per process; ``have`` pages were pinned before)."""
+    global _warned_pageable
+    try:
+        t = _accelerator.pinned_empty(pages * _PAGE)
+    except RuntimeError as exc:
+        with _warn_lock:
+            warn, _warned_pageable = not _warned_pageable, True
+        if warn:
+            log.warning(
+                "tierstore: pinning %s more of host memory failed (%s; %s was pinned before); "
+                "the host tier uses pageable memory from now on, so copies between the "
+                "accelerator and the host are synchronous and slower. Lower "
+                "TIERSTORE_HOST_BYTES or raise the locked-memory limit (ulimit -l). "
+                "(warned once)",
+                format_size(pages * _PAGE),
+                exc,
+                format_size(have * _PAGE),
+            )
+        return None
+    start = -(-t.data_ptr() // _PAGE) * _PAGE
+    return t, start, (t.data_ptr() + pages * _PAGE - start) // _PAGE
 
 
 def _give_back(

@@ -104,16 +104,14 @@ class ZarrEngine(DiskEngine):
         for root in self._roots:
             zarr.open_group(str(root), mode="w-", zarr_format=3)
             _make_private(root)
-        self._sizes: dict[int, int] = {}
-        self._homes: dict[int, int] = {}
-        """The directory (index) each stored key's array is in."""
+        self._stored: dict[int, tuple[int, int]] = {}
+        """Each stored key's bytes and the directory (index) its array is in."""
         self._full: set[int] = set()
         self._warned_full: set[int] = set()
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-zarr")
         self._closed = False
 
-    def _path(self, key: int, home: int | None = None) -> Path:
-        home = self._homes[key] if home is None else home
+    def _path(self, key: int, home: int) -> Path:
         return self._roots[home] / _key_name(key)
 
     def _homes_to_try(self, key: int, nbytes: int) -> list[int]:
@@ -163,7 +161,7 @@ class ZarrEngine(DiskEngine):
     ) -> None:
         """Store ``src`` as the array ``key``; typed when ``dtype`` is one zarr has."""
         self._check_open()
-        if key in self._sizes:
+        if key in self._stored:
             raise KeyError(f"key {key} is already stored; delete it first")
         loop = asyncio.get_running_loop()
         homes = self._homes_to_try(key, src.numel())
@@ -180,8 +178,7 @@ class ZarrEngine(DiskEngine):
                     if n + 1 < len(homes):
                         continue
                 raise
-            self._homes[key] = home
-            self._sizes[key] = src.numel()
+            self._stored[key] = (src.numel(), home)
             return
 
     async def read(self, key: int, out: torch.Tensor) -> None:
@@ -192,18 +189,19 @@ class ZarrEngine(DiskEngine):
             CorruptTensorError: a size, a chunk or a checksum does not match.
         """
         self._check_open()
-        size = self._sizes[key]
+        size, home = self._stored[key]
         if out.numel() != size:
             raise CorruptTensorError(
                 f"key {key}: {size} bytes were spilled but {out.numel()} were asked for"
             )
-        path = self._path(key)
+        path = self._path(key, home)
         await asyncio.get_running_loop().run_in_executor(self._pool, self._read, path, out)
 
     async def delete(self, key: int) -> None:
         """Remove the array of ``key`` (a missing key is ignored)."""
-        if self._sizes.pop(key, None) is not None:
-            path = self._path(key, self._homes.pop(key))
+        stored = self._stored.pop(key, None)
+        if stored is not None:
+            path = self._path(key, stored[1])
             await asyncio.get_running_loop().run_in_executor(self._pool, _remove, path)
 
     async def close(self) -> None:
@@ -212,8 +210,7 @@ class ZarrEngine(DiskEngine):
             return
         self._closed = True
         await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
-        self._sizes.clear()
-        self._homes.clear()
+        self._stored.clear()
         for root in self._roots:
             _remove(root)
 
