@@ -113,19 +113,23 @@ def test_a_mode_with_wrong_gradients_is_refused(tmp_path: Path) -> None:
     assert "ts_disk" not in proc.stdout
 
 
+MiB = 1 << 20
+
+
+def row(mode: str, peak_mib: int, offloaded_mib: int = 0, **mib: int) -> dict[str, object]:
+    """A result of ``table``'s input: ``peak_mib`` of RSS, and any other byte field in MiB."""
+    return {
+        "mode": mode,
+        "step_s_median": 1.0,
+        "cpu_s_median": 1.0,
+        "peak_rss_bytes": peak_mib * MiB,
+        "offloaded_bytes_per_step": offloaded_mib * MiB,
+        **{key: n * MiB for key, n in mib.items()},
+    }
+
+
 def test_the_offloaded_checkpoint_saves_against_torchs_checkpoint() -> None:
     from tierstore.bench.train import table
-
-    mib = 1 << 20
-
-    def row(mode: str, peak_mib: int, offloaded_mib: int = 0) -> dict[str, object]:
-        return {
-            "mode": mode,
-            "step_s_median": 1.0,
-            "cpu_s_median": 1.0,
-            "peak_rss_bytes": peak_mib * mib,
-            "offloaded_bytes_per_step": offloaded_mib * mib,
-        }
 
     text = table(
         [
@@ -144,28 +148,20 @@ def test_the_offloaded_checkpoint_saves_against_torchs_checkpoint() -> None:
 def test_on_a_gpu_the_table_measures_the_gpus_peak() -> None:
     from tierstore.bench.train import FORWARD_PEAK, GPU_PEAK, table
 
-    mib = 1 << 20
-
-    def row(mode: str, gpu_mib: int, rss_mib: int, offloaded_mib: int = 0) -> dict[str, object]:
-        return {
-            "mode": mode,
-            "step_s_median": 1.0,
-            "cpu_s_median": 1.0,
-            "peak_rss_bytes": rss_mib * mib,
-            GPU_PEAK: gpu_mib * mib,
-            "offloaded_bytes_per_step": offloaded_mib * mib,
-        }
-
     # Offloading to the host raises the RSS and lowers the GPU's peak: the GPU's is the saving.
-    text = table([row("none", 1000, 2000), row("ts_host", 200, 2900, 800)])
+    text = table(
+        [row("none", 2000, **{GPU_PEAK: 1000}), row("ts_host", 2900, 800, **{GPU_PEAK: 200})]
+    )
     assert "peak GPU MiB" in text.splitlines()[0] and "fwd GPU" not in text
     lines = {line.split()[0]: line for line in text.splitlines()[2:]}
     assert lines["ts_host"].split()[5:7] == ["200", "-800"]
     assert lines["ts_host"].endswith("100%")  # (1000 - 200) / 800
 
     # The optimizer's step can set the step's peak in every mode: the forward's shows the saving.
-    rows = [row("torch_ckpt", 2768, 1200), row("ts_ckpt", 2768, 1900, 128)]
-    rows[0][FORWARD_PEAK], rows[1][FORWARD_PEAK] = 2276 * mib, 2164 * mib
+    rows = [
+        row("torch_ckpt", 1200, **{GPU_PEAK: 2768, FORWARD_PEAK: 2276}),
+        row("ts_ckpt", 1900, 128, **{GPU_PEAK: 2768, FORWARD_PEAK: 2164}),
+    ]
     text = table(rows)
     assert "fwd GPU MiB" in text.splitlines()[0]
     assert text.splitlines()[3].split()[7] == "2164"
