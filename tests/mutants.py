@@ -105,8 +105,8 @@ MUTANTS = (
         (
             Edit(
                 _POOL,
-                "if _refs(maps, i) <= _FREE_REFS:\n                    self.reused",
-                "if True:\n                    self.reused",
+                "self._busy.add(lease)",
+                "self._busy.add(lease)\n            free.appendleft(m)",
             ),
         ),
     ),
@@ -117,8 +117,9 @@ MUTANTS = (
         (
             Edit(
                 _POOL,
-                "if _refs(maps, i) <= _FREE_REFS:\n                    maps.pop(i).close()",
-                "if True:\n                    maps.pop(i).close()",
+                "free = sum(size * len(maps) for size, maps in self._free.items())",
+                "free = self.mapped_bytes\n            for lease in list(self._busy):\n"
+                "                lease.free.append(lease.buffer)",
             ),
         ),
     ),
@@ -129,7 +130,8 @@ MUTANTS = (
         (
             Edit(
                 _POOL,
-                "return window, torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=lead)",
+                "return window, torch.frombuffer("
+                "view, dtype=torch.uint8, count=nbytes, offset=lead)",
                 "return window, window.narrow(0, lead, nbytes)",
             ),
             Edit(

@@ -214,6 +214,37 @@ def test_a_big_cpu_tensor_comes_back_at_its_place_in_a_page(make_store: MakeStor
     assert internals(store).read_pool.reused == reused + 1
 
 
+def test_small_reads_come_from_the_pool_until_it_is_full_then_from_plain_memory(
+    make_store: MakeStore,
+) -> None:
+    """Packed blobs read back into pooled buffers (from 32 KiB) or plain allocations, held
+    while later reads land: every tensor keeps its own bits, in both rounds."""
+    from tierstore.core._transfers import POOLED_READ_BYTES
+
+    store = make_store(device_bytes=0, host_bytes=0)
+    pool = internals(store).read_pool
+    pool.max_buffers = 3
+    shapes = [(16 * 1024 // 4 + 1,), (64 * 1024 // 4,), (48 * 1024 // 4 + 3,), (100_001,)] * 3
+    tensors = [_random(s, torch.float32, seed=i) for i, s in enumerate(shapes)]
+    pooled = sum(t.nbytes >= POOLED_READ_BYTES for t in tensors)
+    assert 3 < pooled < len(tensors)  # some pooled, some past the cap, some too small
+
+    def on_disk(handles: list[tierstore.TensorHandle]) -> None:
+        wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles))
+
+    for _ in range(2):
+        handles = [store.put(t) for t in tensors]
+        on_disk(handles)
+        back = [store.get(h) for h in reversed(handles)]
+        for b, t in zip(back, reversed(tensors), strict=True):
+            assert _same_bits(b, t)
+        for h in handles:
+            store.release(h)
+        assert pool.buffers == 3
+        del back
+    assert pool.created == 3 and pool.reused == 3
+
+
 def test_read_buffers_are_reused_while_held_rounds_repeat_and_handed_back_after_a_sweep(
     make_store: MakeStore,
 ) -> None:

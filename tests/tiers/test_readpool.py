@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -108,3 +109,54 @@ def test_shrink_keeps_free_buffers_within_keep_free() -> None:
     assert pool.shrink() == 0  # SWEEP_KEEP_BYTES: one small buffer stays for reuse
     pool.take(512 * 1024)
     assert pool.reused == 1
+
+
+def test_a_buffer_freed_in_another_thread_is_reused() -> None:
+    """The release callback runs in whatever thread drops the last tensor (autograd's own)."""
+    pool = ReadPool(keep_bytes=64 * MiB)
+    got = pool.take(64 * 1024)
+    assert got is not None
+    ptr = got[1].data_ptr()
+    holder = [got]
+    del got
+    worker = threading.Thread(target=holder.clear)
+    worker.start()
+    worker.join()
+    again = pool.take(64 * 1024)
+    assert again is not None and again[1].data_ptr() == ptr
+    assert pool.reused == 1 and pool.created == 1
+
+
+def test_take_costs_the_same_however_many_buffers_are_held() -> None:
+    """Free buffers wait on lists: with thousands of small tensors read back and held, the pool
+    no longer looks at any busy buffer to find a free one."""
+    pool = ReadPool(keep_bytes=64 * MiB)
+    held = [pool.take(64 * 1024) for _ in range(2000)]
+    assert len(pool._busy) == 2000 and not any(pool._free.values())
+    last = held.pop()
+    assert last is not None
+    ptr = last[1].data_ptr()
+    del last
+    assert [len(f) for f in pool._free.values()] == [1]  # handed back at once, no scan
+    again = pool.take(64 * 1024)
+    assert again is not None and again[1].data_ptr() == ptr
+
+
+def test_a_pool_at_its_buffer_cap_gives_none() -> None:
+    pool = ReadPool(keep_bytes=64 * MiB, max_buffers=2)
+    a, b = pool.take(MiB), pool.take(2 * MiB)
+    assert a is not None and b is not None
+    assert pool.take(MiB) is None  # the caller allocates plainly
+    del a
+    assert pool.take(MiB) is not None  # a free one of that size is still handed out
+
+
+def test_a_tensor_dying_after_clear_does_not_come_back() -> None:
+    pool = ReadPool(keep_bytes=64 * MiB)
+    got = pool.take(MiB)
+    assert got is not None
+    pool.clear()
+    del got
+    gc.collect()
+    assert pool.take(MiB) is not None
+    assert pool.created == 2 and pool.reused == 0 and pool.mapped_bytes == MiB

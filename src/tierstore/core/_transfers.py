@@ -39,9 +39,13 @@ log = logging.getLogger("tierstore")
 
 S = TensorState
 
-POOLED_READ_BYTES = 1 << 20
-"""Reads smaller than this use plain allocations: glibc reuses small blocks cheaply, and a pool
-of thousands of small maps would cost more to search than it saves."""
+POOLED_READ_BYTES = 32 << 10
+"""CPU reads of at least this many bytes land in the read pool; smaller ones in plain
+allocations. A pooled buffer is whole pages, so below 8 pages the rounding would waste more than
+an eighth of it. From glibc's heap, which the trim after spilling hands back to the OS (Note:
+[Returning host memory]), a small read faults in every page afresh, about 37 us for 64 KiB on
+the development VM; a pooled buffer faults once per backward sweep (docs/performance.md,
+"Small tensors")."""
 
 
 class Transfers:

@@ -3,14 +3,15 @@
 See Note: [Short foreign calls keep the GIL].
 
 Note: [Prefaulting a read's destination]
-    A small tensor read back from disk is copied out of a bounce buffer into a fresh
-    ``torch.empty``, whose pages the kernel usually no longer backs: the store's
-    ``malloc_trim`` (Note: [Returning host memory]) and glibc's own heap trimming hand freed
-    pages back, so the copy takes one page fault per 4 KiB. Asking for the pages first with one
-    ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), which releases the GIL, and then copying
-    into present pages is faster, per copy and per small tensor read back
-    (docs/disk-engine.md, "Small blobs"). Populating never changes the contents of memory, so
-    the range may include the neighbours that share its first and last page.
+    A small tensor read back from disk is copied out of a bounce buffer into memory the kernel
+    often does not back yet: a read-pool buffer mapped in this sweep, or below 32 KiB a fresh
+    ``torch.empty``, whose pages the store's ``malloc_trim`` (Note: [Returning host memory])
+    and glibc's own heap trimming hand back. The copy would take one page fault per 4 KiB.
+    Asking for the pages first with one ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+), which
+    releases the GIL, and then copying into present pages is faster, per copy and per small
+    tensor read back (docs/disk-engine.md, "Small blobs"). Populating never changes the
+    contents of memory, so the range may include the neighbours that share its first and last
+    page.
 """
 
 from __future__ import annotations

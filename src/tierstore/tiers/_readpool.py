@@ -4,10 +4,14 @@ Note: [Buffers come back when the last tensor goes]
     ``get`` hands its caller a tensor the caller owns, so a read cannot go into a buffer the store
     keeps. But fresh memory is slow: it page-faults as it is filled, about ten times slower than
     memory used before (docs/architecture.md, "Lifetime and cleanup"). Each buffer here is an
-    anonymous ``mmap`` wrapped by ``torch.frombuffer``, and every storage made from it holds a
-    reference to the ``mmap`` object until the storage dies, views included. So a buffer whose
-    reference count is back to the pool's own is free to reuse, and a tensor still in use is
-    never overwritten. Buffers are page-aligned, so O_DIRECT reads land in them directly.
+    anonymous ``mmap``; ``take`` wraps it in a new ``memoryview`` and makes its tensors from that
+    view with ``torch.frombuffer``, and every storage made so holds a reference to the view until
+    the storage dies, views of the tensors included. When the last one dies the view dies, and a
+    weak reference's callback puts the buffer on its size's free list, in whatever thread dropped
+    it. So a tensor still in use is never overwritten, and ``take`` and ``shrink`` cost the same
+    however many buffers callers hold (scanning every buffer for its reference count, as the
+    pool once did, cost a read-back 1 MiB tensor tens of microseconds once callers held a few
+    hundred). Buffers are page-aligned, so O_DIRECT reads land in them directly.
 
 Note: [A finished sweep hands its buffers back]
     Free buffers still count in the process's memory. Kept through a whole step they cost the
@@ -26,8 +30,9 @@ Note: [A finished sweep hands its buffers back]
 from __future__ import annotations
 
 import mmap
-import sys
 import threading
+import weakref
+from collections import deque
 
 import torch
 
@@ -38,6 +43,10 @@ _HUGE = 2 << 20
 SWEEP_KEEP_BYTES = 1 << 20
 """Free bytes :meth:`ReadPool.shrink` keeps by default (Note: [A finished sweep hands its
 buffers back])."""
+MAX_BUFFERS = 8192
+"""Buffers a pool maps at most. Each is a mapping of its own, and Linux allows a process
+65,530 by default (``vm.max_map_count``); adjacent ones usually merge, but a caller holding
+many small tensors read back should not be the one that makes torch's next allocation fail."""
 
 
 def _new_map(size: int) -> mmap.mmap:
@@ -52,20 +61,38 @@ def _new_map(size: int) -> mmap.mmap:
     return m
 
 
-def _refs(maps: list[mmap.mmap], i: int) -> int:
-    return sys.getrefcount(maps[i])
+class _Lease(weakref.ref[memoryview]):
+    """A weak reference to the view a taken buffer's tensors hold; its death frees the buffer.
+
+    One object per busy buffer besides the view: the garbage collector walks each of them in
+    every full collection, and small tensors read back can number thousands.
+    """
+
+    __slots__ = ("buffer", "busy", "free")
+    # Identity, not the referent's hash: a writable memoryview has none.
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
+    buffer: mmap.mmap
+    free: deque[mmap.mmap]
+    busy: set[_Lease]
 
 
-# The count of a buffer held only by the pool's list, measured the way ``take`` measures it.
-_FREE_REFS = _refs([mmap.mmap(-1, _PAGE)], 0)
+def _handed_back(lease: _Lease) -> None:
+    # Runs wherever the last tensor died, perhaps in a thread holding the pool's lock (inside
+    # a garbage collection): no lock here, and both operations are atomic under the GIL.
+    lease.busy.discard(lease)
+    lease.free.append(lease.buffer)
 
 
-def _tensors(m: mmap.mmap, nbytes: int, lead: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-    window = torch.frombuffer(m, dtype=torch.uint8, count=span)
+def _tensors(
+    view: memoryview, nbytes: int, lead: int, span: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    window = torch.frombuffer(view, dtype=torch.uint8, count=span)
     if lead == 0 and nbytes == span:
         return window, window
     # frombuffer with an offset gives a storage that starts at ``lead``: the data's own bytes.
-    return window, torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=lead)
+    return window, torch.frombuffer(view, dtype=torch.uint8, count=nbytes, offset=lead)
 
 
 class ReadPool:
@@ -81,25 +108,31 @@ class ReadPool:
             stays near the prefetch window.
     """
 
-    def __init__(self, keep_bytes: int) -> None:
+    def __init__(self, keep_bytes: int, max_buffers: int = MAX_BUFFERS) -> None:
         self.keep_bytes = keep_bytes
-        self._maps: dict[int, list[mmap.mmap]] = {}
+        self.max_buffers = max_buffers
+        # Free buffers by page-rounded size, the most recently freed last.
+        self._free: dict[int, deque[mmap.mmap]] = {}
+        # The leases of busy buffers: a weak reference's callback fires only while it lives.
+        self._busy: set[_Lease] = set()
         self._lock = threading.Lock()
+        self.buffers = 0
         self.mapped_bytes = 0
         self.reused = 0
         self.created = 0
 
     def take(
         self, nbytes: int, *, lead: int = 0, span: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A free page-aligned buffer of ``span`` bytes (default ``nbytes``), as two tensors.
 
         Returns:
-            ``(window, data)``. ``window`` is the whole buffer from its first page: what a disk
-            read fills (Note: [A tensor's lead]). ``data`` is the
-            ``nbytes`` at ``lead``, a tensor whose storage is exactly those bytes
-            (``storage_offset() == 0``), so nothing else in the buffer can be reached through
-            it. Either keeps the buffer busy while it lives.
+            ``(window, data)``, or ``None`` when no buffer of that size is free and the pool
+            already maps ``max_buffers`` (the caller allocates plainly then). ``window`` is the
+            whole buffer from its first page: what a disk read fills (Note: [A tensor's lead]).
+            ``data`` is the ``nbytes`` at ``lead``, a tensor whose storage is exactly those
+            bytes (``storage_offset() == 0``), so nothing else in the buffer can be reached
+            through it. Either keeps the buffer busy while it lives.
 
         Raises:
             ValueError: ``lead + nbytes`` does not fit in ``span``.
@@ -109,17 +142,23 @@ class ReadPool:
             raise ValueError(f"{nbytes} bytes at lead {lead} do not fit in a span of {span}")
         size = max(_PAGE, -(-span // _PAGE) * _PAGE)
         with self._lock:
-            maps = self._maps.setdefault(size, [])
-            for i in range(len(maps)):
-                if _refs(maps, i) <= _FREE_REFS:
-                    self.reused += 1
-                    return _tensors(maps[i], nbytes, lead, span)
-            self._trim(self.keep_bytes - size)
-            m = _new_map(size)
-            maps.append(m)
-            self.mapped_bytes += size
-            self.created += 1
-        return _tensors(m, nbytes, lead, span)
+            free = self._free.setdefault(size, deque())
+            if free:
+                m = free.pop()
+                self.reused += 1
+            else:
+                self._trim(self.keep_bytes - size)
+                if self.buffers >= self.max_buffers:
+                    return None
+                m = _new_map(size)
+                self.buffers += 1
+                self.mapped_bytes += size
+                self.created += 1
+            view = memoryview(m)
+            lease = _Lease(view, _handed_back)
+            lease.buffer, lease.free, lease.busy = m, free, self._busy
+            self._busy.add(lease)
+        return _tensors(view, nbytes, lead, span)
 
     def shrink(self, keep_free: int = SWEEP_KEEP_BYTES) -> int:
         """Unmap free buffers, largest first, until at most ``keep_free`` bytes of free ones
@@ -130,30 +169,25 @@ class ReadPool:
         """
         with self._lock:
             before = self.mapped_bytes
-            free = sum(
-                size
-                for size, maps in self._maps.items()
-                for i in range(len(maps))
-                if _refs(maps, i) <= _FREE_REFS
-            )
+            free = sum(size * len(maps) for size, maps in self._free.items())
             if free > keep_free:
                 self._trim(self.mapped_bytes - free + keep_free)
             return before - self.mapped_bytes
 
     def _trim(self, limit: int) -> None:
         """Unmap free buffers, largest first, while more than ``limit`` bytes are mapped."""
-        for size in sorted(self._maps, reverse=True):
-            maps = self._maps[size]
-            i = 0
-            while i < len(maps) and self.mapped_bytes > limit:
-                if _refs(maps, i) <= _FREE_REFS:
-                    maps.pop(i).close()
-                    self.mapped_bytes -= size
-                else:
-                    i += 1
+        for size in sorted(self._free, reverse=True):
+            free = self._free[size]
+            while free and self.mapped_bytes > limit:
+                free.popleft().close()  # the longest free first
+                self.buffers -= 1
+                self.mapped_bytes -= size
 
     def clear(self) -> None:
         """Forget every buffer; buffers still used by tensors are unmapped when those die."""
         with self._lock:
-            self._maps.clear()
+            # New containers: a late callback appends to a list no one reads any more.
+            self._free = {}
+            self._busy = set()
+            self.buffers = 0
             self.mapped_bytes = 0
