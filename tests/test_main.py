@@ -120,6 +120,6 @@ def test_info_warns_of_a_spill_directory_in_ram(
         pytest.skip("no writable tmpfs at /dev/shm")
     done = _run("info", env={"TIERSTORE_DISK_DIR": str(shm)})
     assert done.returncode == 0, done.stderr
-    assert f"warning: TIERSTORE_DISK_DIR '{shm}' is on tmpfs" in done.stdout
+    assert f"warning: disk_dir/TIERSTORE_DISK_DIR '{shm}' is on tmpfs" in done.stdout
     facts = json.loads(_run("info", "--json", env={"TIERSTORE_DISK_DIR": str(shm)}).stdout)
     assert facts["disk_dirs"][0]["in_ram"] == "tmpfs"

@@ -214,14 +214,29 @@ def test_a_big_cpu_tensor_comes_back_at_its_place_in_a_page(make_store: MakeStor
     assert internals(store).read_pool.reused == reused + 1
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"direct_io": "off"},
+        {"disk_format": "zarr"},
+        {"stripes": 2},
+    ],
+    ids=["direct", "buffered", "zarr", "two-dirs"],
+)
 def test_small_reads_come_from_the_pool_until_it_is_full_then_from_plain_memory(
-    make_store: MakeStore,
+    make_store: MakeStore, tmp_path: Path, settings: dict[str, object]
 ) -> None:
     """Packed blobs read back into pooled buffers (from 32 KiB) or plain allocations, held
     while later reads land: every tensor keeps its own bits, in both rounds."""
     from tierstore.core._transfers import POOLED_READ_BYTES
 
-    store = make_store(device_bytes=0, host_bytes=0)
+    config = dict(settings)
+    if config.pop("stripes", None):
+        config["disk_dir"] = [str(tmp_path / "a"), str(tmp_path / "b")]
+        for d in config["disk_dir"]:
+            Path(d).mkdir()
+    store = make_store(device_bytes=0, host_bytes=0, **config)
     pool = internals(store).read_pool
     pool.max_buffers = 3
     shapes = [(16 * 1024 // 4 + 1,), (64 * 1024 // 4,), (48 * 1024 // 4 + 3,), (100_001,)] * 3

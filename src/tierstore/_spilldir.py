@@ -55,7 +55,8 @@ log = logging.getLogger("tierstore")
 PREFIX = "tierstore-"
 _LOCK = ".lock"
 _NAME_ATTEMPTS = 16
-_VAR = "TIERSTORE_DISK_DIR"
+# The setting under both its names: either the argument or the variable may have set it.
+_VAR = "disk_dir/TIERSTORE_DISK_DIR"
 # The longest spill directory name: the prefix, a PID (at most 7 digits: PID_MAX_LIMIT is
 # 4194304), a dash and 8 hex digits.
 _DIR_NAME_MAX = len(PREFIX) + 7 + 1 + 8

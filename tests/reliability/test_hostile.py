@@ -591,7 +591,7 @@ def test_a_read_only_mount_is_refused_by_the_store_and_by_info(tmp_path: Path) -
     try:
         with pytest.raises(ConfigError, match="is on a read-only filesystem") as info:
             TieredStore(disk_dir=mnt)
-        assert str(info.value).startswith(f"TIERSTORE_DISK_DIR={str(mnt)!r}")
+        assert str(info.value).startswith(f"disk_dir/TIERSTORE_DISK_DIR={str(mnt)!r}")
         proc = subprocess.run(
             [sys.executable, "-m", "tierstore", "info"],
             capture_output=True,
@@ -658,7 +658,7 @@ def test_a_disk_dir_too_long_for_its_spill_files_is_refused_and_leaves_nothing(
     parent = _long_dir(tmp_path, length)
     with pytest.raises(ConfigError, match="per path; choose a directory whose path") as info:
         TieredStore(disk_dir=parent, host_bytes=0, min_bytes=0)
-    assert str(info.value).startswith(f"TIERSTORE_DISK_DIR={str(parent)!r}: its path is")
+    assert str(info.value).startswith(f"disk_dir/TIERSTORE_DISK_DIR={str(parent)!r}: its path is")
     assert list(parent.iterdir()) == []
 
 
