@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import mmap
 import os
 from typing import TYPE_CHECKING
 
@@ -15,9 +16,9 @@ from tierstore.config import StoreConfig
 from tierstore.errors import CorruptTensorError
 from tierstore.testing import KiB, MiB, make_dirs, random_bytes
 from tierstore.tiers import WriteRequest, _checksum, _memcopy
-from tierstore.tiers.raw import RawEngine
+from tierstore.tiers.raw import RawEngine, _chunk_io
 from tierstore.tiers.raw._layout import PackedBlob
-from tierstore.tiers.raw._syscalls import PAGE
+from tierstore.tiers.raw._syscalls import PAGE, pad
 
 from .backdoor import stored_bytes
 
@@ -211,3 +212,88 @@ def test_short_and_long_foreign_calls_agree(n: int) -> None:
     assert bytes(dst[n:].numpy()) == b"\xab" * 8
     data = bytes(src.numpy())
     assert _checksum.crc32c(src.data_ptr(), n) == google_crc32c.value(data)
+
+
+def _on_a_page(nbytes: int, lead: int = 0) -> torch.Tensor:
+    """``nbytes`` of fresh memory starting ``lead`` bytes past a page boundary."""
+    m = mmap.mmap(-1, pad(lead + nbytes) or PAGE)
+    return torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=lead)
+
+
+async def test_page_aligned_outs_are_read_in_place(
+    engine: RawEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [Packed reads land in place]: one preadv for the group; only the gaps, partial
+    last pages and outs that do not start on a page pass through the bounce buffer."""
+    sizes = [64 * KiB, 48 * KiB + 12, 100, 8 * KiB, 20 * KiB + 5, 4 * KiB, 36 * KiB]
+    srcs = {k: random_bytes(n, seed=k) for k, n in enumerate(sizes)}
+    await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+    await engine.delete(3)  # a gap inside the group
+    del srcs[3]
+    outs = {k: _on_a_page(t.numel(), lead=0 if k % 4 else 64) for k, t in srcs.items()}
+    copied: list[int] = []
+    real_memmove = _chunk_io.memmove
+
+    def counting_memmove(dst: int, src: int, n: int) -> None:
+        copied.append(n)
+        real_memmove(dst, src, n)
+
+    calls: list[int] = []
+    real_preadv = os.preadv
+
+    def counting_preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
+        calls.append(len(bufs))
+        return real_preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(_chunk_io, "memmove", counting_memmove)
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    await asyncio.gather(*(engine.read(k, outs[k]) for k in reversed(srcs)))
+    assert engine.grouped_reads == 1 and len(calls) == 1 and calls[0] > 1
+    for k, t in srcs.items():
+        assert torch.equal(outs[k], t), k
+    # Copied: the whole of the two outs 64 bytes past a page, the tails of the others.
+    in_place = [k for k in srcs if k % 4]
+    tails = sum(srcs[k].numel() % PAGE for k in in_place)
+    assert sum(copied) == srcs[0].numel() + srcs[4].numel() + tails
+
+
+async def test_a_damaged_blob_read_in_place_fails_alone(engine: RawEngine) -> None:
+    srcs = {k: random_bytes(12 * KiB + 7, seed=k) for k in range(5)}
+    await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+    b = _packed(engine, 2)
+    with open(b.file.path, "r+b") as f:
+        f.seek(b.offset + 5000)
+        byte = f.read(1)
+        f.seek(b.offset + 5000)
+        f.write(bytes([byte[0] ^ 0x01]))
+    outs = {k: _on_a_page(t.numel()) for k, t in srcs.items()}
+    results = await asyncio.gather(*(engine.read(k, outs[k]) for k in srcs), return_exceptions=True)
+    assert isinstance(results[2], CorruptTensorError) and "CRC32C" in str(results[2])
+    for k, t in srcs.items():
+        if k != 2:
+            assert results[k] is None and torch.equal(outs[k], t)
+
+
+async def test_a_short_scatter_read_is_read_again_through_the_bounce_buffer(
+    engine: RawEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srcs = {k: random_bytes(16 * KiB, seed=k) for k in range(6)}
+    await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+    real_preadv = os.preadv
+    shortened: list[int] = []
+
+    def short_once(fd: int, bufs: list[memoryview], offset: int) -> int:
+        n = real_preadv(fd, bufs, offset)
+        if len(bufs) > 1 and not shortened:
+            shortened.append(n)
+            return n - PAGE  # as if the kernel had stopped a page early
+        return n
+
+    monkeypatch.setattr(os, "preadv", short_once)
+    outs = {k: _on_a_page(t.numel()) for k, t in srcs.items()}
+    for o in outs.values():
+        o.fill_(0xEE)  # the scatter read already wrote most of them; all must be right
+    await asyncio.gather(*(engine.read(k, outs[k]) for k in reversed(srcs)))
+    assert shortened
+    for k, t in srcs.items():
+        assert torch.equal(outs[k], t), k
