@@ -297,3 +297,24 @@ async def test_a_short_scatter_read_is_read_again_through_the_bounce_buffer(
     assert shortened
     for k, t in srcs.items():
         assert torch.equal(outs[k], t), k
+
+
+async def test_a_group_of_more_pieces_than_one_call_takes_is_read_plainly(
+    engine: RawEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srcs = {k: random_bytes(8 * KiB + 1, seed=k) for k in range(6)}  # two pieces each
+    await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+    monkeypatch.setattr(_chunk_io, "_IOV_MAX", 4)
+    calls: list[int] = []
+    real_preadv = os.preadv
+
+    def counting(fd: int, bufs: list[memoryview], offset: int) -> int:
+        calls.append(len(bufs))
+        return real_preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    outs = {k: _on_a_page(t.numel()) for k, t in srcs.items()}
+    await asyncio.gather(*(engine.read(k, outs[k]) for k in reversed(srcs)))
+    assert calls == [1]  # one plain read of the span, no scatter
+    for k, t in srcs.items():
+        assert torch.equal(outs[k], t), k
