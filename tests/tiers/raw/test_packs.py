@@ -214,6 +214,19 @@ def test_short_and_long_foreign_calls_agree(n: int) -> None:
     assert _checksum.crc32c(src.data_ptr(), n) == google_crc32c.value(data)
 
 
+def _count_preadv(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Make every ``os.preadv`` record how many buffers it was given."""
+    calls: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, bufs: list[memoryview], offset: int) -> int:
+        calls.append(len(bufs))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    return calls
+
+
 def _on_a_page(nbytes: int, lead: int = 0) -> torch.Tensor:
     """``nbytes`` of fresh memory starting ``lead`` bytes past a page boundary."""
     m = mmap.mmap(-1, pad(lead + nbytes) or PAGE)
@@ -238,15 +251,8 @@ async def test_page_aligned_outs_are_read_in_place(
         copied.append(n)
         real_memmove(dst, src, n)
 
-    calls: list[int] = []
-    real_preadv = os.preadv
-
-    def counting_preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
-        calls.append(len(bufs))
-        return real_preadv(fd, bufs, offset)
-
     monkeypatch.setattr(_chunk_io, "memmove", counting_memmove)
-    monkeypatch.setattr(os, "preadv", counting_preadv)
+    calls = _count_preadv(monkeypatch)
     await asyncio.gather(*(engine.read(k, outs[k]) for k in reversed(srcs)))
     assert engine.grouped_reads == 1 and len(calls) == 1 and calls[0] > 1
     for k, t in srcs.items():
@@ -305,14 +311,7 @@ async def test_a_group_of_more_pieces_than_one_call_takes_is_read_plainly(
     srcs = {k: random_bytes(8 * KiB + 1, seed=k) for k in range(6)}  # two pieces each
     await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
     monkeypatch.setattr(_chunk_io, "_IOV_MAX", 4)
-    calls: list[int] = []
-    real_preadv = os.preadv
-
-    def counting(fd: int, bufs: list[memoryview], offset: int) -> int:
-        calls.append(len(bufs))
-        return real_preadv(fd, bufs, offset)
-
-    monkeypatch.setattr(os, "preadv", counting)
+    calls = _count_preadv(monkeypatch)
     outs = {k: _on_a_page(t.numel()) for k, t in srcs.items()}
     await asyncio.gather(*(engine.read(k, outs[k]) for k in reversed(srcs)))
     assert calls == [1]  # one plain read of the span, no scatter
