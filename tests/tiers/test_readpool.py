@@ -149,6 +149,9 @@ def test_a_pool_at_its_buffer_cap_gives_none() -> None:
     assert pool.take(MiB) is None  # the caller allocates plainly
     del a
     assert pool.take(MiB) is not None  # a free one of that size is still handed out
+    del b
+    c = pool.take(3 * MiB)  # the free 2 MiB one is unmapped to make room
+    assert c is not None and pool.buffers == 2 and pool.mapped_bytes == 4 * MiB
 
 
 def test_a_tensor_dying_after_clear_does_not_come_back() -> None:

@@ -127,8 +127,9 @@ class ReadPool:
         """A free page-aligned buffer of ``span`` bytes (default ``nbytes``), as two tensors.
 
         Returns:
-            ``(window, data)``, or ``None`` when no buffer of that size is free and the pool
-            already maps ``max_buffers`` (the caller allocates plainly then). ``window`` is the
+            ``(window, data)``, or ``None`` when no buffer of that size is free and
+            ``max_buffers`` are in use (free ones of other sizes are unmapped to make room;
+            the caller allocates plainly then). ``window`` is the
             whole buffer from its first page: what a disk read fills (Note: [A tensor's lead]).
             ``data`` is the ``nbytes`` at ``lead``, a tensor whose storage is exactly those
             bytes (``storage_offset() == 0``), so nothing else in the buffer can be reached
@@ -147,7 +148,7 @@ class ReadPool:
                 m = free.pop()
                 self.reused += 1
             else:
-                self._trim(self.keep_bytes - size)
+                self._trim(self.keep_bytes - size, self.max_buffers - 1)
                 if self.buffers >= self.max_buffers:
                     return None
                 m = _new_map(size)
@@ -174,11 +175,13 @@ class ReadPool:
                 self._trim(self.mapped_bytes - free + keep_free)
             return before - self.mapped_bytes
 
-    def _trim(self, limit: int) -> None:
-        """Unmap free buffers, largest first, while more than ``limit`` bytes are mapped."""
+    def _trim(self, limit: int, max_buffers: int | None = None) -> None:
+        """Unmap free buffers, largest first, while more than ``limit`` bytes or more than
+        ``max_buffers`` buffers are mapped."""
+        most = self.buffers if max_buffers is None else max_buffers
         for size in sorted(self._free, reverse=True):
             free = self._free[size]
-            while free and self.mapped_bytes > limit:
+            while free and (self.mapped_bytes > limit or self.buffers > most):
                 free.popleft().close()  # the longest free first
                 self.buffers -= 1
                 self.mapped_bytes -= size
