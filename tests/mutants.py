@@ -145,7 +145,7 @@ MUTANTS = (
         "scatter-tail",
         "a packed blob read in place keeps the bytes of its last partial page from the bounce "
         "buffer instead of copying them in",
-        (Edit(_CHUNK_IO, "if b.size > head:  # its last partial page", "if False:"),),
+        (Edit(_CHUNK_IO, "if head and b.size > head:  # its last partial page", "if False:"),),
     ),
 )
 

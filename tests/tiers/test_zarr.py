@@ -129,7 +129,7 @@ async def test_a_full_directory_is_skipped_until_it_has_room(
     engine = ZarrEngine(make_dirs(tmp_path, 2), StoreConfig.from_env({}, io_chunk_bytes=CHUNK))
     first = engine.directories[0] / GROUP
     full = {"yes": True}
-    real_write, real_free = ZarrEngine._write, _zarr._free_bytes
+    real_write, real_free = ZarrEngine._write, _zarr.free_space
 
     def write(self: ZarrEngine, key: int, src: torch.Tensor, *args: object) -> None:
         home = args[-1]
@@ -142,7 +142,7 @@ async def test_a_full_directory_is_skipped_until_it_has_room(
         return 0 if full["yes"] and path == first else real_free(path)
 
     monkeypatch.setattr(ZarrEngine, "_write", write)
-    monkeypatch.setattr(_zarr, "_free_bytes", free_bytes)
+    monkeypatch.setattr(_zarr, "free_space", free_bytes)
     srcs = {k: random_bytes(3 * CHUNK + k, seed=k) for k in range(8)}
     try:
         with caplog.at_level(logging.WARNING, logger="tierstore"):

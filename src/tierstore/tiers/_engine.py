@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import errno
 import importlib
+import os
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -31,14 +33,19 @@ if TYPE_CHECKING:
     from tierstore.config import StoreConfig
 
 __all__ = [
+    "DISK_FULL",
     "DiskEngine",
     "WriteRequest",
     "check_bytes",
     "engine_class",
     "engine_names",
+    "free_space",
     "is_bytes",
     "open_engine",
 ]
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""The errors of a filesystem (or a quota) without room: engines skip such a directory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +195,15 @@ def check_bytes(t: torch.Tensor, name: str) -> None:
             f"{name} must be a 1-D contiguous uint8 CPU tensor, got {t.dtype} {tuple(t.shape)} "
             f"on {t.device}"
         )
+
+
+def free_space(directory: Path) -> int:
+    """Bytes the filesystem of ``directory`` has free for this user; 0 where it cannot say."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def is_bytes(t: torch.Tensor) -> bool:

@@ -129,11 +129,11 @@ class ReadPool:
         Returns:
             ``(window, data)``, or ``None`` when no buffer of that size is free and
             ``max_buffers`` are in use (free ones of other sizes are unmapped to make room;
-            the caller allocates plainly then). ``window`` is the
-            whole buffer from its first page: what a disk read fills (Note: [A tensor's lead]).
-            ``data`` is the ``nbytes`` at ``lead``, a tensor whose storage is exactly those
-            bytes (``storage_offset() == 0``), so nothing else in the buffer can be reached
-            through it. Either keeps the buffer busy while it lives.
+            the caller allocates plainly then). ``window`` is the whole buffer from its first
+            page: what a disk read fills (Note: [A tensor's lead]). ``data`` is the ``nbytes``
+            at ``lead``, a tensor whose storage is exactly those bytes
+            (``storage_offset() == 0``), so nothing else in the buffer can be reached through
+            it. Either keeps the buffer busy while it lives.
 
         Raises:
             ValueError: ``lead + nbytes`` does not fit in ``span``.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import math
 import os
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tierstore.errors import CorruptTensorError
-from tierstore.tiers._engine import DiskEngine
+from tierstore.tiers._engine import DISK_FULL, DiskEngine, free_space
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -44,8 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["GROUP", "ZarrEngine", "numpy_dtype"]
 
 log = logging.getLogger("tierstore")
-
-_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 GROUP = "spill.zarr"
 """Name of the zarr group inside each private spill directory."""
@@ -127,7 +124,7 @@ class ZarrEngine(DiskEngine):
         n = len(self._roots)
         order = []
         for i in ((key + j) % n for j in range(n)):
-            if i in self._full and _free_bytes(self._roots[i]) >= self.footprint(nbytes):
+            if i in self._full and free_space(self._roots[i]) >= self.footprint(nbytes):
                 self._full.discard(i)
                 log.info("tierstore: spill directory %s has room again", self.directories[i])
             if i not in self._full:
@@ -173,7 +170,7 @@ class ZarrEngine(DiskEngine):
                 # Cancelled or failed: let the thread finish before removing what it made.
                 await asyncio.wait([fut])
                 await loop.run_in_executor(self._pool, _remove, self._path(key, home))
-                if isinstance(exc, OSError) and exc.errno in _FULL:
+                if isinstance(exc, OSError) and exc.errno in DISK_FULL:
                     self._mark_full(home, exc)
                     if n + 1 < len(homes):
                         continue
@@ -307,13 +304,6 @@ def _chunk_shape(shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> tup
     row = max(1, math.prod(shape[1:]) * itemsize)
     first = max(1, min(shape[0], chunk_bytes // row))
     return (first, *(max(1, s) for s in shape[1:]))
-
-
-def _free_bytes(path: Path) -> int:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return 0
 
 
 def _make_private(path: Path) -> None:

@@ -217,19 +217,17 @@ class ChunkIO:
             for b, out, head in zip(blobs, outs, heads, strict=True):
                 at = buf.address + b.offset - first.offset
                 dst = out.data_ptr()
-                if head == 0:
-                    if self.checksum and (got := crc32c(at, b.size)) != b.crc:
-                        errors.append(_mismatch(b.file.path, 0, b.size, b.offset, got, b.crc))
-                        continue
+                if head and b.size > head:  # its last partial page
+                    memmove(dst + head, at + head, b.size - head)
+                # Checked where the whole blob is now: in place, or still in the bounce buffer.
+                whole = dst if head else at
+                if self.checksum and (got := crc32c(whole, b.size)) != b.crc:
+                    errors.append(_mismatch(b.file.path, 0, b.size, b.offset, got, b.crc))
+                    continue
+                if not head:
                     # See Note: [Prefaulting a read's destination].
                     prefault(dst, b.size)
                     memmove(dst, at, b.size)
-                else:
-                    if b.size > head:  # its last partial page
-                        memmove(dst + head, at + head, b.size - head)
-                    if self.checksum and (got := crc32c(dst, b.size)) != b.crc:
-                        errors.append(_mismatch(b.file.path, 0, b.size, b.offset, got, b.crc))
-                        continue
                 errors.append(None)
             return errors
         finally:
@@ -263,8 +261,6 @@ class ChunkIO:
             if head:
                 if b.offset > at:
                     pieces.append(buf.view[at - first.offset : b.offset - first.offset])
-                # See Note: [Prefaulting a read's destination].
-                prefault(out.data_ptr(), head)
                 pieces.append(memory(out.data_ptr(), head))
                 at = b.offset + head
             end = b.offset + pad(b.size)
@@ -273,6 +269,10 @@ class ChunkIO:
                 at = end
         if len(pieces) > _IOV_MAX:
             return None
+        for out, head in zip(outs, heads, strict=True):
+            if head:
+                # See Note: [Prefaulting a read's destination].
+                prefault(out.data_ptr(), head)
         if os.preadv(first.file.fd, pieces, first.offset) != span:
             return None
         return heads

@@ -8,6 +8,7 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
+from tierstore.tiers._engine import free_space
 from tierstore.tiers.raw._extents import Extents
 from tierstore.tiers.raw._syscalls import O_DIRECT, pad
 
@@ -55,11 +56,7 @@ class SpillFile:
 
     def free_space(self) -> int:
         """Bytes the filesystem of this file's directory has free for this user."""
-        try:
-            st = os.statvfs(self.path.parent)
-        except OSError:
-            return 0
-        return st.f_bavail * st.f_frsize
+        return free_space(self.path.parent)
 
     def grow_and_alloc(self, nbytes: int) -> int | None:
         """Grow the file if it still lacks ``nbytes`` free, then allocate them (on an I/O thread).

@@ -4,10 +4,10 @@ directory used, full directories skipped."""
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 from typing import TYPE_CHECKING
 
+from tierstore.tiers._engine import DISK_FULL
 from tierstore.tiers.raw._layout import Blob, Chunk, cut
 from tierstore.tiers.raw._syscalls import pad
 
@@ -114,7 +114,7 @@ class Striping:
                     try:
                         offset = await self._grow(f, need)
                     except OSError as e:
-                        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                        if e.errno in DISK_FULL:
                             raise _DirectoryFull(d, e) from e
                         raise
                 blob.extents.append((f, offset, need))
