@@ -197,10 +197,18 @@ def short_io(max_bytes: int = 4096) -> Iterator[dict[str, int]]:
         return real_pwrite(fd, view, offset)
 
     def preadv(fd: int, buffers: Any, offset: int, *args: Any) -> int:
-        bufs = [memoryview(b).cast("B") for b in buffers]
-        if bufs and len(bufs[0]) > max_bytes:
-            counts["short_reads"] += 1
-            bufs = [bufs[0][:max_bytes]]
+        # The limit is on the call's total: a scattered read of several small pieces is cut
+        # short as well as one large piece.
+        bufs, room = [], max_bytes
+        for b in buffers:
+            view = memoryview(b).cast("B")
+            if len(view) > room:
+                counts["short_reads"] += 1
+                if room:
+                    bufs.append(view[:room])
+                break
+            bufs.append(view)
+            room -= len(view)
         return real_preadv(fd, bufs, offset, *args)
 
     os.pwrite, os.preadv = pwrite, preadv
