@@ -542,3 +542,46 @@ def test_a_refused_enter_leaves_no_global_module_hook(store_factory: StoreFactor
     loss.backward()
     assert x.grad is not None and torch.equal(x.grad, 2 * x.detach().exp())
     assert len(hooks) == before
+
+
+def test_the_stand_ins_torch_traces_with_are_left_alone_uncounted(
+    store_factory: StoreFactory,
+) -> None:
+    """torch 2.4 traces compiled graphs with the hooks installed: a FakeTensor has no bytes to
+    move, and is not a tensor the store refused either."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tierstore.adapters._common import traced_stand_in
+    from tierstore.adapters._storage import StorageTable
+
+    store = store_factory("disk")
+    with FakeTensorMode():
+        fake = torch.empty(1 << 20)
+    assert traced_stand_in(fake) and not traced_stand_in(torch.empty(4))
+    assert StorageTable().offload(store, fake, 0) is fake
+    stats = store.stats()
+    assert stats.puts == 0 and not stats.skipped
+
+
+def test_hooks_run_as_they_are_while_fx_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where FX traces a graph with the hooks installed (torch 2.4), a function Dynamo must not
+    trace cannot be called: FX refuses to trace into one. There the hooks run as they are."""
+    import torch._dynamo  # untraced wraps only once Dynamo is loaded
+
+    from tierstore.adapters._common import untraced
+
+    through: list[str] = []
+
+    def disable(fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            through.append("disabled")
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(torch.compiler, "disable", disable)
+    hook = untraced(lambda t: t)
+    x = torch.ones(3)
+    assert hook(x) is x and through == ["disabled"]
+    monkeypatch.setattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", True)
+    assert hook(x) is x and through == ["disabled"]  # called directly this time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -28,6 +29,7 @@ __all__ = [
     "check_min_bytes",
     "min_bytes_of",
     "resolve_store",
+    "traced_stand_in",
     "unsupported_reason",
     "untraced",
     "unwrap",
@@ -117,6 +119,26 @@ def unwrap(t: torch.Tensor) -> tuple[torch.Tensor, object]:
     return t, spec
 
 
+def traced_stand_in(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a stand-in that torch traces a graph with, not a tensor being saved.
+
+    torch 2.4's AOTAutograd traces a compiled graph's backward with the saved-tensor hooks
+    still installed, so the hooks see its ``FakeTensor`` and ``FunctionalTensor`` stand-ins (later
+    versions trace without them). They have no bytes to move; the adapters leave them alone
+    without counting them as refused. The graph's real saved tensors come to the hooks when it
+    runs.
+    """
+    if type(t) is torch.Tensor:
+        return False
+    return any(
+        cls is not None and isinstance(t, cls)
+        for cls in (
+            _class_in(("torch._subclasses.fake_tensor",), "FakeTensor"),
+            _class_in(("torch._subclasses.functional_tensor",), "FunctionalTensor"),
+        )
+    )
+
+
 def untraced(fn: F) -> F:
     """``fn``, or ``fn`` made opaque to ``torch.compile`` when Dynamo is loaded.
 
@@ -140,7 +162,23 @@ def untraced(fn: F) -> F:
     """
     if "torch._dynamo" not in sys.modules:
         return fn
-    return torch.compiler.disable(fn)  # type: ignore[no-untyped-call,no-any-return]
+    disabled = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+
+    @functools.wraps(fn)
+    def eager(*args: object) -> object:
+        # torch 2.4 traces a compiled graph's backward (with FX) with the hooks installed, and
+        # refuses to trace into a disabled function; there the hooks see only stand-ins
+        # (:func:`traced_stand_in`) and run as they are.
+        if _fx_tracing():
+            return fn(*args)
+        return disabled(*args)
+
+    return eager  # type: ignore[return-value]
+
+
+def _fx_tracing() -> bool:
+    # The flag itself: torch.fx's is_fx_tracing() logs a warning on every call since 2.5.
+    return bool(getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", False))
 
 
 _warned_lock = threading.Lock()

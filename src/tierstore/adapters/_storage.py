@@ -45,6 +45,7 @@ from tierstore.adapters._common import (
     PARAMETER,
     SMALL,
     UNSUPPORTED,
+    traced_stand_in,
     unsupported_reason,
     unwrap,
     warn_no_room,
@@ -219,6 +220,8 @@ class StorageTable:
             )
         # A DTensor's bytes are its local shard (Note: [A DTensor stores its shard]).
         plain, spec = unwrap(t)
+        if traced_stand_in(plain):
+            return t
         nbytes = plain.numel() * plain.element_size()
         if nbytes < min_bytes:
             if nbytes:
