@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+TYPED_AGAINST = "2.13"
+"""The torch whose type stubs the code is checked against: the one README.md's commands pin."""
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -21,6 +25,13 @@ def test_ruff_is_clean() -> None:
 
 
 def test_mypy_strict_is_clean() -> None:
+    import torch
+
+    if torch.__version__ < TYPED_AGAINST:
+        # The package runs on older torches (README.md); their stubs type some calls otherwise.
+        pytest.skip(
+            f"the annotations follow torch {TYPED_AGAINST}'s stubs, not {torch.__version__}'s"
+        )
     proc = _run("mypy")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -127,3 +129,40 @@ def assert_equal_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         assert x.dtype == y.dtype and x.shape == y.shape, i
         assert torch.equal(x, y), f"tensor {i} differs: max |diff| {(x - y).abs().max().item()}"
+
+
+@functools.cache
+def _compile_traces_saved_tensor_hooks() -> bool:
+    """Whether this torch's AOTAutograd calls saved-tensor hooks while it traces a graph.
+
+    torch 2.4's does: the hooks see its FakeTensor and FunctionalTensor stand-ins, a hook that
+    Dynamo must not trace cannot be traced by FX either, and torch's own checkpoint fails
+    around a compiled block ("using FX to symbolically trace a dynamo-optimized function").
+    tierstore leaves the stand-ins alone (``traced_stand_in``, tested in test_hooks.py), but
+    compiled blocks inside its blocks need a torch that traces without the hooks.
+    """
+    seen: list[type] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(type(t))
+        return t
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.sin().cos()
+
+    compiled = torch.compile(f, backend="aot_eager")
+    x = torch.randn(4, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled(x).sum().backward()
+    torch._dynamo.reset()
+    return any(cls is not torch.Tensor and cls is not nn.Parameter for cls in seen)
+
+
+def skip_unless_compile_traces_without_hooks() -> None:
+    """Skip a test of compiled code on a torch whose compiler traces with the hooks installed.
+
+    Probed on first use, not at import: the probe loads Dynamo, and the adapters take another
+    path once it is loaded (Note: [Hooks run eagerly under torch.compile]).
+    """
+    if _compile_traces_saved_tensor_hooks():
+        pytest.skip(f"torch {torch.__version__} traces compiled graphs with saved-tensor hooks")

@@ -47,7 +47,11 @@ HF_CONFIGS = ["tiny-host", "disk-raw-direct", "disk-zarr", "disk-striped"]
 
 
 def _llama() -> torch.nn.Module:
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
+    if not transformers.utils.is_torch_available():
+        pytest.skip(
+            f"transformers {transformers.__version__} does not run on torch {torch.__version__}"
+        )
     model = tiny_llama(max_positions=1024)
     model.train()
     return model

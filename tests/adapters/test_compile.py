@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from _adapters_util import skip_unless_compile_traces_without_hooks
 from differential import settle
 from torch import nn
 
@@ -31,12 +32,18 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
+
 pytestmark = [
     # PyTorch's own, with or without tierstore: inductor imports a deprecated torch.jit API,
     # and Dynamo reads .grad of a block's input, a non-leaf tensor, when it wraps it.
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _a_compiler_that_traces_without_hooks() -> None:
+    skip_unless_compile_traces_without_hooks()
 
 
 @functools.cache

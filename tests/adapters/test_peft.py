@@ -20,7 +20,12 @@ import tierstore
 if TYPE_CHECKING:
     from _adapters_util import StoreFactory
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
+if not transformers.utils.is_torch_available():
+    pytest.skip(
+        f"transformers {transformers.__version__} does not run on torch {torch.__version__}",
+        allow_module_level=True,
+    )
 peft = pytest.importorskip("peft")
 
 SEQ = 640

@@ -51,6 +51,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+if not hasattr(torch._C, "_acc"):
+    # pytest.importorskip turns this into a skip that names the reason.
+    raise ImportError(
+        f"gpusim needs torch's Python accelerator hooks (torch._C._acc); torch {torch.__version__} "
+        "has none"
+    )
+
 from torch.cuda import _sanitizer as csan
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten

@@ -16,6 +16,11 @@ import torch
 import tierstore
 
 transformers = pytest.importorskip("transformers")
+if not transformers.utils.is_torch_available():
+    pytest.skip(
+        f"transformers {transformers.__version__} does not run on torch {torch.__version__}",
+        allow_module_level=True,
+    )
 
 from tierstore.integrations.transformers import enable_offloaded_checkpointing  # noqa: E402
 

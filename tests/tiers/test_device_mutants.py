@@ -26,7 +26,7 @@ from tierstore.tiers import _device
 
 from .test_device_sim import SCENARIOS, session
 
-gpusim = pytest.importorskip("gpusim")
+gpusim = pytest.importorskip("gpusim", exc_type=ImportError)
 
 _DEVICE = "src/tierstore/tiers/_device.py"
 

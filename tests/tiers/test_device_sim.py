@@ -24,7 +24,7 @@ from tierstore import Tier
 from tierstore.testing import audit, internals, plain_tensor_type
 from tierstore.tiers import _accelerator, _device
 
-gpusim = pytest.importorskip("gpusim")
+gpusim = pytest.importorskip("gpusim", exc_type=ImportError)
 
 MiB = 1 << 20
 DEVICES = ("cuda:0", "cuda:1")
