@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _adapters_util import importorskip_transformers
 from differential import CONFIGS, Run, differences, make_store, settle, tiny_llama, train
 
 import tierstore
@@ -47,11 +48,7 @@ HF_CONFIGS = ["tiny-host", "disk-raw-direct", "disk-zarr", "disk-striped"]
 
 
 def _llama() -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    if not transformers.utils.is_torch_available():
-        pytest.skip(
-            f"transformers {transformers.__version__} does not run on torch {torch.__version__}"
-        )
+    importorskip_transformers()
     model = tiny_llama(max_positions=1024)
     model.train()
     return model

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
-
 pytestmark = [
     # PyTorch's own, with or without tierstore: inductor imports a deprecated torch.jit API,
     # and Dynamo reads .grad of a block's input, a non-leaf tensor, when it wraps it.

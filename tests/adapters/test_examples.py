@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _adapters_util import skip_unless_compile_traces_without_hooks
+from _adapters_util import (
+    fully_shard_is_public,
+    importorskip_transformers,
+    skip_unless_compile_traces_without_hooks,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,11 +57,7 @@ def test_plain_loop_example(tmp_path: Path, mode: str) -> None:
 
 
 def test_hf_trainer_example(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    if not transformers.utils.is_torch_available():
-        pytest.skip(
-            f"transformers {transformers.__version__} does not run on torch {torch.__version__}"
-        )
+    importorskip_transformers()
     run = ["hf_trainer.py", "--output-dir", str(tmp_path / "out"), "--steps", "2"]
     proc = run_example(*run, tmp_path=tmp_path)
     plain = run_example(*run, "--no-offload", tmp_path=tmp_path)
@@ -118,9 +118,7 @@ def spilled_to_disk(proc: subprocess.CompletedProcess[str], stores: int) -> None
 @pytest.mark.slow
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed")
 def test_fsdp2_torchrun_example(tmp_path: Path) -> None:
-    try:  # public since torch 2.6; the example imports it from there
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
+    if not fully_shard_is_public():  # the example imports it from there
         pytest.skip(f"torch {torch.__version__} has no public FSDP2 (fully_shard)")
     # host_bytes=0: everything stored (4 MiB attention maps among it) goes to disk, both ranks.
     run = ["fsdp2_torchrun.py", "--steps", "2"]

@@ -15,17 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _adapters_util import fully_shard_is_public
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _fully_shard_is_public() -> bool:
-    """FSDP2's ``fully_shard`` is public in ``torch.distributed.fsdp`` since torch 2.6."""
-    try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 pytestmark = [
@@ -33,7 +25,7 @@ pytestmark = [
         not torch.distributed.is_available(), reason="torch.distributed is not available"
     ),
     pytest.mark.skipif(
-        torch.distributed.is_available() and not _fully_shard_is_public(),
+        torch.distributed.is_available() and not fully_shard_is_public(),
         reason=f"torch {torch.__version__} has no public FSDP2 (fsdp.fully_shard)",
     ),
 ]

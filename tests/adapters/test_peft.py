@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from _adapters_util import importorskip_transformers
 from differential import settle, tiny_llama
 
 import tierstore
@@ -20,12 +21,7 @@ import tierstore
 if TYPE_CHECKING:
     from _adapters_util import StoreFactory
 
-transformers = pytest.importorskip("transformers")
-if not transformers.utils.is_torch_available():
-    pytest.skip(
-        f"transformers {transformers.__version__} does not run on torch {torch.__version__}",
-        allow_module_level=True,
-    )
+importorskip_transformers()
 peft = pytest.importorskip("peft")
 
 SEQ = 640

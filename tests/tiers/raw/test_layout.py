@@ -20,14 +20,13 @@ from tierstore.config import StoreConfig
 from tierstore.errors import CorruptTensorError
 from tierstore.testing import CHUNK, make_dirs, random_bytes
 from tierstore.tiers.raw import RawEngine
-from tierstore.tiers.raw import _chunk_io as chunk_io
 from tierstore.tiers.raw import _syscalls as syscalls
 from tierstore.tiers.raw._syscalls import PAGE
 
 from .backdoor import stored_bytes
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator
+    from collections.abc import AsyncIterator
     from pathlib import Path
 
 _PROT_NONE = 0
@@ -72,20 +71,6 @@ async def engine(tmp_path: Path) -> AsyncIterator[RawEngine]:
         pytest.skip(f"{tmp_path} refuses O_DIRECT: buffered I/O takes any address, no lead")
     yield e
     await e.close()
-
-
-@pytest.fixture
-def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Bytes the engine copies through its bounce buffers."""
-    counted: list[int] = []
-    real = chunk_io.memmove
-
-    def counting(dst: int, src: int, nbytes: int) -> None:
-        counted.append(nbytes)
-        real(dst, src, nbytes)
-
-    monkeypatch.setattr(chunk_io, "memmove", counting)
-    yield counted
 
 
 async def _write(engine: RawEngine, offset: int, seed: int = 0) -> torch.Tensor:
