@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Everything that needs a CUDA device, in one run of about 8 minutes on one H100 or H200:
 #   1. the GPU tests (pytest -m gpu) under PyTorch's CUDA Stream Sanitizer;
-#   2. GPU tensors through the host and disk tiers against plain pinned copies (gpu_copy.py),
-#      and the machine's disk against its raw limit (tierstore-bench disk, dd or fio);
+#   2. GPU tensors through the host and disk tiers against plain pinned copies (gpu_copy.py);
 #   3. the training-step benchmark on the GPU, every mode's gradients checked bit for bit
 #      against plain training (a mode that differs is refused and the step fails), two
 #      rounds with the modes taking turns;
-#   4. with GPU_CHECK_SUITE=1, also the suite with CUDA present (3 more minutes), where the
-#      host tier allocates pinned memory.
+#   4. with GPU_CHECK_SUITE=1, the suite with CUDA present (3 more minutes), where the
+#      host tier allocates pinned memory;
+#   5. the training step with the default windows and on the disk tier, and the machine's
+#      disk against its raw limit (tierstore-bench disk, dd or fio).
+# The steps run in that order, the most telling first, so a lease that runs short loses the least.
 # Logs go to $OUT (default ./gpu-out). Packages the machine lacks can travel as wheels in
 # .whl/ (zarr, numcodecs, donfig, google-crc32c, isal, pytest-asyncio); they are installed
 # into /tmp/site. Each step has its own time limit, so one that hangs leaves the rest to run.
@@ -48,11 +50,6 @@ timeout 60 python3 benchmarks/gpu_copy.py --size 64MiB --count 16 --rounds 3 --d
     2>&1 | tee "$out/gpu-copy.log"
 check "gpu_copy"
 
-step "this machine's disk: the store against the raw limit, 64 MiB tensors"
-timeout 90 python3 -m tierstore.bench disk --sizes 64MiB --total 2GiB --repeats 2 \
-    --engines raw-limit,tierstore-raw --dir "$spill" --no-progress 2>&1 | tee "$out/disk.log"
-check "disk"
-
 step "training step on the GPU: 8 blocks, width 1024, sequence 1024, batch 4"
 timeout 240 python3 -m tierstore.bench.train --device cuda --layers 8 --dim 1024 --heads 16 \
     --seq 1024 --batch 4 --warmup 2 --steps 3 --rounds 2 --disk-dir "$spill" \
@@ -60,25 +57,30 @@ timeout 240 python3 -m tierstore.bench.train --device cuda --layers 8 --dim 1024
     --json "$out/train-cuda.jsonl" 2>&1 | tee "$out/train-cuda.log"
 check "train"
 
-step "the same with the store's default windows (256 MiB to prefetch, 256 MiB in flight)"
-timeout 150 python3 -m tierstore.bench.train --device cuda --layers 8 --dim 1024 --heads 16 \
-    --seq 1024 --batch 4 --warmup 2 --steps 3 --rounds 2 --disk-dir "$spill" \
-    --prefetch-bytes 256MiB --inflight-bytes 256MiB --modes none,save_on_cpu,ts_host,ts_ckpt \
-    --json "$out/train-cuda-windows.jsonl" 2>&1 | tee "$out/train-cuda-windows.log"
-check "train, default windows"
-
-step "training step on the GPU, disk tier: 4 blocks, width 512, sequence 1024, batch 4"
-timeout 60 python3 -m tierstore.bench.train --device cuda --layers 4 --dim 512 --heads 8 \
-    --seq 1024 --batch 4 --warmup 1 --steps 2 --disk-dir "$spill" --modes none,ts_disk \
-    --json "$out/train-cuda-disk.jsonl" 2>&1 | tee "$out/train-cuda-disk.log"
-check "train disk"
-
 if [ "${GPU_CHECK_SUITE:-0}" = 1 ]; then
     step "the suite with CUDA present (lint and type checks run on the CPU machine)"
     timeout 180 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 --maxfail=20 \
         tests --ignore=tests/test_lint.py 2>&1 | tee "$out/suite.log" | tail -25
     check "suite"
 fi
+
+step "the same with the store's default windows (256 MiB to prefetch, 256 MiB in flight)"
+timeout 150 python3 -m tierstore.bench.train --device cuda --layers 8 --dim 1024 --heads 16 \
+    --seq 1024 --batch 4 --warmup 2 --steps 3 --rounds 2 --disk-dir "$spill" \
+    --prefetch-bytes 256MiB --inflight-bytes 256MiB --modes none,save_on_cpu,ts_host,ts_ckpt \
+    2>&1 | tee "$out/train-cuda-windows.log"
+check "train, default windows"
+
+step "training step on the GPU, disk tier: 4 blocks, width 512, sequence 1024, batch 4"
+timeout 60 python3 -m tierstore.bench.train --device cuda --layers 4 --dim 512 --heads 8 \
+    --seq 1024 --batch 4 --warmup 1 --steps 2 --disk-dir "$spill" --modes none,ts_disk \
+    2>&1 | tee "$out/train-cuda-disk.log"
+check "train disk"
+
+step "this machine's disk: the store against the raw limit, 64 MiB tensors"
+timeout 90 python3 -m tierstore.bench disk --sizes 64MiB --total 2GiB --repeats 2 \
+    --engines raw-limit,tierstore-raw --dir "$spill" --no-progress 2>&1 | tee "$out/disk.log"
+check "disk"
 
 step "done"
 if [ ${#failed[@]} -gt 0 ]; then
