@@ -4,12 +4,13 @@ transformers is imported by nothing here at module level: this module imports wi
 
 Note: [The Trainer's own switch]
     ``Trainer`` with ``activation_checkpointing=True`` (alias ``gradient_checkpointing``) calls
-    ``model.activation_checkpointing_enable(kwargs)`` (``gradient_checkpointing_enable`` before
-    transformers 5) when training starts, and that installs torch's checkpoint over ours: the
-    store then received nothing, and nothing said so. :func:`enable_offloaded_checkpointing`
-    therefore also replaces those two methods on the model instance (not its class), so the
-    Trainer's call installs tierstore's checkpoint again, with the Trainer's
-    ``gradient_checkpointing_kwargs`` passed through. ``activation_checkpointing_disable``
+    ``model.activation_checkpointing_enable(kwargs)`` when training starts
+    (``gradient_checkpointing_enable`` in transformers before the rename: 5.17 has only the
+    old names, 5.24 both), and that installs torch's checkpoint over ours: the store then
+    received nothing, and nothing said so. :func:`enable_offloaded_checkpointing` therefore
+    also replaces those methods, where the model's class has them, on the model instance (not
+    its class), so the Trainer's call installs tierstore's checkpoint again, with the
+    Trainer's ``gradient_checkpointing_kwargs`` passed through. ``*_checkpointing_disable``
     removes the replacements and turns checkpointing off.
 """
 
@@ -63,7 +64,8 @@ def enable_offloaded_checkpointing(
     ``activation_checkpointing=True`` (alias ``gradient_checkpointing``): when the Trainer turns
     checkpointing on, tierstore's checkpoint is what it installs, with its
     ``gradient_checkpointing_kwargs`` (Note: [The Trainer's own switch]).
-    ``model.activation_checkpointing_disable()`` turns it off again.
+    ``model.activation_checkpointing_disable()`` (``gradient_checkpointing_disable()``) turns
+    it off again.
 
     Args:
         model: a ``transformers.PreTrainedModel`` that supports gradient checkpointing.
@@ -84,7 +86,7 @@ def enable_offloaded_checkpointing(
         >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
         ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
         >>> tt.enable_offloaded_checkpointing(model, tierstore.TieredStore(min_bytes=0))
-        >>> model.is_activation_checkpointing
+        >>> model.is_gradient_checkpointing
         True
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
