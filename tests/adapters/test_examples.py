@@ -106,10 +106,17 @@ def run_torchrun_example(name: str, *args: str, tmp_path: Path) -> subprocess.Co
     return proc
 
 
+# What torch itself says about the machine, not about the program: a CUDA build of torch on a
+# machine without a GPU warns so when Inductor first compiles.
+TORCH_ABOUT_THE_MACHINE = ("No CUDA runtime is found, using CUDA_HOME",)
+
+
 def spilled_to_disk(proc: subprocess.CompletedProcess[str], stores: int) -> None:
     """Every store's summary (logged at close) shows tensors written to disk, and stderr holds
     nothing else: no warning, no "Exception ignored"."""
-    lines = proc.stderr.splitlines()
+    lines = [
+        ln for ln in proc.stderr.splitlines() if not any(m in ln for m in TORCH_ABOUT_THE_MACHINE)
+    ]
     summaries = [ln for ln in lines if ln.startswith("tierstore INFO")]
     assert len(summaries) == stores and all("disk 0 " not in s for s in summaries), proc.stderr
     assert len(lines) == stores, proc.stderr
