@@ -3,8 +3,9 @@
 For each round: plain copies of N tensors from the GPU into pinned host memory and back (the
 link's limit as PyTorch reaches it), then the same tensors through a store's host tier
 (``store.put`` until every copy has landed, ``store.get`` newest first, each read checked
-bit for bit against its source), then through its disk tier. Modes take turns; the figures are
-GB/s over all N tensors, minimum, median and maximum over the rounds.
+bit for bit against its source), then through its disk tier, from the GPU and from CPU
+memory. Modes take turns; the figures are GB/s over all N tensors, minimum, median and
+maximum over the rounds.
 
     python benchmarks/gpu_copy.py --size 64MiB --count 32 --rounds 3 --disk-dir /var/tmp
 
@@ -98,6 +99,7 @@ def main() -> int:
     size = parse_size(args.size, name="--size")
     g = torch.Generator(device=args.device).manual_seed(0)
     src = [torch.randn(size // 4, device=args.device, generator=g) for _ in range(args.count)]
+    cpu_src = [t.cpu() for t in src]
     rates: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as d:
         common = {"device_bytes": 0, "min_bytes": 0, "disk_dir": d}
@@ -108,10 +110,17 @@ def main() -> int:
                 d2h, h2d = raw_rates(src)
                 rates.setdefault("plain copy GPU->pinned", []).append(d2h)
                 rates.setdefault("plain copy pinned->GPU", []).append(h2d)
-                for name, store in (("host tier", host), ("disk tier", disk)):
-                    put, get = store_rates(store, src)
+                for name, store, tensors in (
+                    ("host tier", host, src),
+                    ("disk tier", disk, src),
+                    # The same store and bytes from CPU memory: what the disk gives without
+                    # the device copies, to tell the GPU path's cost from the disk's.
+                    ("disk tier, CPU tensors", disk, cpu_src),
+                ):
+                    put, get = store_rates(store, tensors)
                     rates.setdefault(f"{name} put", []).append(put)
                     rates.setdefault(f"{name} get", []).append(get)
+            disk_stats = disk.stats().summary()
         finally:
             host.close()
             disk.close()
@@ -120,6 +129,7 @@ def main() -> int:
     print(f"{'GB/s':<36} {'min':>6} {'median':>6} {'max':>6}")
     for name, xs in rates.items():
         print(f"{name:<36} {spread(xs)}")
+    print(f"disk tier store, all rounds: {disk_stats}")
     return 0
 
 

@@ -263,3 +263,26 @@ def test_help_describes_each_command_in_plain_text(
     help_text = capsys.readouterr().out
     assert "``" not in help_text
     assert "tierstore-bench" in help_text
+
+
+def test_the_gpu_copy_script_runs_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu_copy.py runs only where a GPU is lent, rarely: its CPU mode keeps it
+    working in between (every path checks its tensors bit for bit, so this also checks them)."""
+    script = SRC.parent / "benchmarks" / "gpu_copy.py"
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    argv = ["--device", "cpu", "--size", "1MiB", "--count", "4", "--rounds", "2"]
+    done = subprocess.run(
+        [sys.executable, str(script), *argv, "--disk-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    for path in ("host tier", "disk tier", "disk tier, CPU tensors"):
+        for op in ("put", "get"):
+            assert any(line.startswith(f"{path} {op} ") for line in lines), done.stdout
+    assert "disk tier store, all rounds: tierstore: 16 tensors" in done.stdout
+    assert list(tmp_path.iterdir()) == []
