@@ -21,7 +21,7 @@ import torch
 
 import tierstore
 from tierstore import Tier
-from tierstore.testing import audit, internals, plain_tensor_type
+from tierstore.testing import audit, internals, plain_tensor_type, settled, wait_for
 from tierstore.tiers import _accelerator, _device
 
 gpusim = pytest.importorskip("gpusim", exc_type=ImportError)
@@ -346,6 +346,21 @@ def test_an_unlimited_host_tier_pins_what_it_holds(env: Env) -> None:
         assert torch.equal(on_host(store.get(h)), want)
 
 
+def test_copies_to_a_full_host_tier_land_in_pinned_memory(env: Env) -> None:
+    """Note: [Staging room in the pinned pool]: with no host tier (host_bytes=0), every copy
+    on its way to disk once landed in pageable memory: a synchronous copy on the store's loop
+    thread, and a buffer too unaligned for O_DIRECT. The pool keeps a window's worth of room
+    for them; every tensor still comes back exact, from disk."""
+    store = env.store("disk")
+    made = [produced("cuda:0", "contiguous", seed=i, rows=512, cols=1024) for i in range(6)]
+    hs = [store.put(t) for t, _ in made]  # 2 MiB each
+    assert all(rests(store, h) is Tier.DISK for h in hs)
+    pinned = sum(n for _, n, _ in env.sim.pinned)
+    assert 2 * MiB <= pinned <= 64 * MiB, pinned  # the pool's first piece, no more
+    for h, (_, want) in zip(hs, made, strict=True):
+        assert torch.equal(on_host(store.get(h)), want)
+
+
 def test_the_legacy_cuda_api_path(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """On torch before 2.6 the seam uses torch.cuda's streams and events; same result."""
     monkeypatch.setattr(_accelerator, "_generic", lambda: False)
@@ -419,8 +434,10 @@ def step(
     x: torch.Tensor,
     wrap: Callable[[], object] | None = None,
     layer: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    between: Callable[[], object] | None = None,
 ) -> list[torch.Tensor]:
-    """One training step's loss and gradients, read back to the host."""
+    """One training step's loss and gradients, read back to the host; ``between`` runs after
+    the forward, before the backward."""
     model.zero_grad(set_to_none=True)
     ctx = wrap() if wrap is not None else None
     if ctx is not None:
@@ -433,6 +450,8 @@ def step(
     finally:
         if ctx is not None:
             ctx.__exit__(None, None, None)  # type: ignore[attr-defined]
+    if between is not None:
+        between()
     loss.backward()
     return [loss.detach().cpu()] + [p.grad.cpu() for p in model.parameters()]
 
@@ -452,7 +471,14 @@ def test_offload_activations_gradients_equal_no_offloading(
     model, x = model_on(device), batch_on(device, layout)
     plain = step(model, x)
     store = env.store("tiered")
-    offloaded = step(model, x, wrap=lambda: tierstore.offload_activations(store, min_bytes=0))
+    offloaded = step(
+        model,
+        x,
+        wrap=lambda: tierstore.offload_activations(store, min_bytes=0),
+        # The backward would take entries whose copies have not landed from their device:
+        # the copies to the host and the spills must have ended for the path to be taken.
+        between=lambda: wait_for(lambda: settled(store), what="the copies and spills"),
+    )
     st = store.stats()
     assert st.bytes_to_host > 0 and st.bytes_to_disk > 0
     assert_same(offloaded, plain)

@@ -102,8 +102,10 @@ class StoreCore:
         # them (Note: [Buffers come back when the last tensor goes]).
         self.read_pool = ReadPool(keep_bytes=max(config.prefetch_bytes, 64 << 20))
         # The host tier of accelerator tensors, pinned at its first use; a CPU-only process
-        # never allocates it (Note: [The pinned pool]).
-        self.pinned = PinnedPool(config.host_bytes)
+        # never allocates it (Note: [The pinned pool]). A window's worth beyond the host
+        # tier is room for copies on their way to disk (Note: [Staging room in the pinned
+        # pool]).
+        self.pinned = PinnedPool(config.host_bytes + config.max_inflight_bytes)
         self.disk_tier = open_disk_tier(config)
         self.disk = DiskRoom(self.disk_tier.engine, self.disk_tier.capacity, config.disk_dirs)
         self.steps = Steps(self._snapshot_locked())
