@@ -24,6 +24,7 @@ from .test_device_sim import (
     prefetched_on_another_stream,
     prefetched_then_released,
     put_get_each_tier,
+    spilled_through_pinned_memory,
     step,
 )
 
@@ -36,6 +37,7 @@ SCENARIOS = {
         get_from_host,
         prefetched_on_another_stream,
         prefetched_then_released,
+        spilled_through_pinned_memory,
     )
 }
 

@@ -254,6 +254,23 @@ def close_with_copies_in_flight(env: Env, device: str, layout: str) -> None:
         store.get(handles[0])
 
 
+def spilled_through_pinned_memory(env: Env, device: str, layout: str) -> None:
+    """Note: [Staging room in the pinned pool]: with no host tier (host_bytes=0), every copy
+    on its way to disk once landed in pageable memory: a synchronous copy on the store's loop
+    thread, and a buffer too unaligned for O_DIRECT. The pool keeps a window's worth of room
+    for them, and pins only what they use; every tensor still comes back exact, from disk."""
+    store = env.store("disk")
+    made = [produced(device, layout, seed=i, rows=512, cols=1024) for i in range(6)]
+    hs = [store.put(t) for t, _ in made]  # 2 MiB each
+    assert all(rests(store, h) is Tier.DISK for h in hs)
+    assert internals(store).pinned_pool.pinned is True
+    if env.sim is not None:
+        pinned = sum(n for _, n, _ in env.sim.pinned)
+        assert 2 * MiB <= pinned <= 64 * MiB, pinned  # the pool's first piece, no more
+    for h, (_, want) in zip(hs, made, strict=True):
+        assert torch.equal(on_host(store.get(h)), want)
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -262,6 +279,7 @@ SCENARIOS = {
         prefetched_on_another_stream,
         prefetched_then_released,
         close_with_copies_in_flight,
+        spilled_through_pinned_memory,
     )
 }
 
@@ -342,21 +360,6 @@ def test_an_unlimited_host_tier_pins_what_it_holds(env: Env) -> None:
     assert all(rests(store, h) is Tier.HOST for h in hs)
     pinned = sum(n for _, n, _ in env.sim.pinned)
     assert 12 * MiB <= pinned <= 64 * MiB, pinned  # the first piece, not the machine
-    for h, (_, want) in zip(hs, made, strict=True):
-        assert torch.equal(on_host(store.get(h)), want)
-
-
-def test_copies_to_a_full_host_tier_land_in_pinned_memory(env: Env) -> None:
-    """Note: [Staging room in the pinned pool]: with no host tier (host_bytes=0), every copy
-    on its way to disk once landed in pageable memory: a synchronous copy on the store's loop
-    thread, and a buffer too unaligned for O_DIRECT. The pool keeps a window's worth of room
-    for them; every tensor still comes back exact, from disk."""
-    store = env.store("disk")
-    made = [produced("cuda:0", "contiguous", seed=i, rows=512, cols=1024) for i in range(6)]
-    hs = [store.put(t) for t, _ in made]  # 2 MiB each
-    assert all(rests(store, h) is Tier.DISK for h in hs)
-    pinned = sum(n for _, n, _ in env.sim.pinned)
-    assert 2 * MiB <= pinned <= 64 * MiB, pinned  # the pool's first piece, no more
     for h, (_, want) in zip(hs, made, strict=True):
         assert torch.equal(on_host(store.get(h)), want)
 
