@@ -33,7 +33,9 @@ Note: [Staging room in the pinned pool]
     cause has not been measured on a GPU yet.) The store therefore
     sizes its pool at ``host_bytes`` plus the in-flight window
     (``TIERSTORE_MAX_INFLIGHT_BYTES``, 256 MiB by default), which bounds the bytes being
-    copied down at once. The pool still pins only what is used.
+    copied down at once. Reads of accelerator tensors from disk use the same room, each
+    buffer only until its copy to the device has ended (with ``host_bytes=0`` they too went
+    through pageable memory before). The pool still pins only what is used.
 """
 
 from __future__ import annotations
