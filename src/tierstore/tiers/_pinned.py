@@ -23,19 +23,18 @@ Note: [The pinned pool]
 
 Note: [Staging room in the pinned pool]
     Every accelerator tensor reaches the disk through host memory: the cascade copies it into
-    the host tier, counting the copy against ``host_bytes``, and spills the oldest host
-    entries once the tier is over. A pool of exactly ``host_bytes`` is full whenever the tier
-    is, and with ``host_bytes=0`` always, so those copies fell back to pageable memory: a
-    copy into pageable memory is synchronous, so it stalled the store's loop thread, which
-    submits the disk I/O, for the whole copy, and the buffer is not page-aligned, so its
-    ``O_DIRECT`` write needed a bounce copy as well. (On an H100 machine GPU tensors reached
-    the disk at half the rate CPU tensors did through the same store; that this was the
-    cause has not been measured on a GPU yet.) The store therefore
-    sizes its pool at ``host_bytes`` plus the in-flight window
-    (``TIERSTORE_MAX_INFLIGHT_BYTES``, 256 MiB by default), which bounds the bytes being
-    copied down at once. Reads of accelerator tensors from disk use the same room, each
-    buffer only until its copy to the device has ended (with ``host_bytes=0`` they too went
-    through pageable memory before). The pool still pins only what is used.
+    the host tier, counting the copy against ``host_bytes``, and spills the oldest host entries
+    once the tier is over. A pool of exactly ``host_bytes`` is full whenever the tier is, and
+    with ``host_bytes=0`` always, so those copies fell back to pageable memory: a copy into
+    pageable memory is synchronous, so it stalled the store's loop thread, which submits the
+    disk I/O, for the whole copy, and the buffer is not page-aligned, so its ``O_DIRECT`` write
+    needed a bounce copy as well. (On an H100 machine GPU tensors reached the disk at half the
+    rate CPU tensors did through the same store; that this was the cause has not been measured
+    on a GPU yet.) The store therefore sizes its pool at ``host_bytes`` plus the in-flight
+    window (``TIERSTORE_MAX_INFLIGHT_BYTES``, 256 MiB by default), which bounds the bytes being
+    copied down at once. Reads of accelerator tensors from disk use the same room, each buffer
+    only until its copy to the device has ended (with ``host_bytes=0`` they too went through
+    pageable memory before). The pool still pins only what is used.
 """
 
 from __future__ import annotations
