@@ -116,22 +116,22 @@ def _fio(path: Path, nbytes: int, rw: str, engine: str) -> tuple[float, float]:
     return float(job[rw]["bw_bytes"]) / 1e9, cpu_s / (nbytes / 1e9)
 
 
-def _dd(path: Path, nbytes: int, rw: str) -> tuple[float, float]:
-    """(GB/s, CPU seconds per GB) of one dd run."""
-    count = max(1, nbytes // MiB)
+def dd_direct(path: Path, nbytes: int, rw: str, block: int = MiB) -> tuple[float, float]:
+    """(GB/s, CPU seconds per GB) of one O_DIRECT dd run of ``block``-byte requests."""
+    count = max(1, nbytes // block)
     if rw == "write":
         # notrunc: a second write overwrites the blocks instead of allocating new ones.
-        cmd = ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "oflag=direct"]
-        cmd.append("conv=notrunc")
+        cmd = ["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}"]
+        cmd += ["oflag=direct", "conv=notrunc"]
     else:
-        cmd = ["dd", f"if={path}", "of=/dev/null", "bs=1M", f"count={count}", "iflag=direct"]
+        cmd = ["dd", f"if={path}", "of=/dev/null", f"bs={block}", f"count={count}", "iflag=direct"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(cmd, capture_output=True, check=True, timeout=600)
     seconds = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return count * MiB / seconds / 1e9, cpu_s / (count * MiB / 1e9)
+    return count * block / seconds / 1e9, cpu_s / (count * block / 1e9)
 
 
 def measure_raw_limit(directory: Path, nbytes: int) -> RawLimit:
@@ -155,9 +155,9 @@ def measure_raw_limit(directory: Path, nbytes: int) -> RawLimit:
                     continue
                 tool = f"fio direct=1 bs=1M iodepth=16 ioengine={engine}"
                 return RawLimit(tool, w[0], o[0], r[0], o[1], r[1])
-        w = _dd(path, nbytes, "write")
-        o = _dd(path, nbytes, "write")
-        r = _dd(path, nbytes, "read")
+        w = dd_direct(path, nbytes, "write")
+        o = dd_direct(path, nbytes, "write")
+        r = dd_direct(path, nbytes, "read")
         tool = "dd bs=1M oflag=direct/iflag=direct (fio not installed)"
         return RawLimit(tool, w[0], o[0], r[0], o[1], r[1])
     finally:
