@@ -7,7 +7,6 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -167,18 +166,6 @@ def skip_unless_compile_traces_without_hooks() -> None:
     """
     if _compile_traces_saved_tensor_hooks():
         pytest.skip(f"torch {torch.__version__} traces compiled graphs with saved-tensor hooks")
-
-
-def importorskip_transformers() -> ModuleType:
-    """transformers, or a skip where it is missing or does not run on this torch (transformers
-    5 needs torch 2.6). Works at module level too."""
-    transformers = pytest.importorskip("transformers")
-    if not transformers.utils.is_torch_available():
-        pytest.skip(
-            f"transformers {transformers.__version__} does not run on torch {torch.__version__}",
-            allow_module_level=True,
-        )
-    return transformers
 
 
 def fully_shard_is_public() -> bool:

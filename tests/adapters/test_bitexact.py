@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _adapters_util import importorskip_transformers
 from differential import CONFIGS, Run, differences, make_store, settle, tiny_llama, train
 
 import tierstore
+from optional_modules import importorskip_transformers
 
 
 @functools.cache

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _adapters_util import (
-    fully_shard_is_public,
-    importorskip_transformers,
-    skip_unless_compile_traces_without_hooks,
-)
+from _adapters_util import fully_shard_is_public, skip_unless_compile_traces_without_hooks
+
+from optional_modules import importorskip_transformers
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from _adapters_util import importorskip_transformers
 from differential import settle, tiny_llama
 
 import tierstore
+from optional_modules import importorskip_transformers
 
 if TYPE_CHECKING:
     from _adapters_util import StoreFactory

@@ -14,13 +14,9 @@ import pytest
 import torch
 
 import tierstore
+from optional_modules import importorskip_transformers
 
-transformers = pytest.importorskip("transformers")
-if not transformers.utils.is_torch_available():
-    pytest.skip(
-        f"transformers {transformers.__version__} does not run on torch {torch.__version__}",
-        allow_module_level=True,
-    )
+transformers = importorskip_transformers()
 
 from tierstore.integrations.transformers import enable_offloaded_checkpointing  # noqa: E402
 
