@@ -6,16 +6,20 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 import tierstore
+from tierstore import __main__ as main_module
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def _run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``python -m tierstore *args`` in a process of its own, with only ``env``'s TIERSTORE_*."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
     return subprocess.run(
         [sys.executable, "-m", "tierstore", *args],
@@ -25,6 +29,34 @@ def _run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         check=False,
         env={**base, "PYTHONPATH": str(SRC), **env},
     )
+
+
+class Done(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+Info = Callable[..., Done]
+
+
+@pytest.fixture
+def info(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Info:
+    """``python -m tierstore info *args`` in this process (a process each costs seconds of
+    importing torch; one test runs the real command), with only ``env``'s TIERSTORE_*."""
+
+    def run(*args: str, env: dict[str, str]) -> Done:
+        capsys.readouterr()
+        with monkeypatch.context() as m:
+            for var in [v for v in os.environ if v.startswith("TIERSTORE_")]:
+                m.delenv(var)
+            for var, value in env.items():
+                m.setenv(var, value)
+            code = main_module.main(["info", *args])
+        out = capsys.readouterr()
+        return Done(code, out.out, out.err)
+
+    return run
 
 
 def test_info_reports_each_spill_directory(tmp_path: Path) -> None:
@@ -52,8 +84,8 @@ def test_info_reports_each_spill_directory(tmp_path: Path) -> None:
     assert "CUDA available:" in text.stdout and "torch" in text.stdout
 
 
-def test_info_names_a_bad_variable() -> None:
-    done = _run("info", env={"TIERSTORE_IO_THREADS": "lots"})
+def test_info_names_a_bad_variable(info: Info) -> None:
+    done = info(env={"TIERSTORE_IO_THREADS": "lots"})
     assert done.returncode == 2
     assert "TIERSTORE_IO_THREADS" in done.stderr
 
@@ -65,7 +97,7 @@ def _store_error(parent: Path) -> str:
     return str(info.value)
 
 
-def test_info_fails_as_the_store_does_on_a_bad_spill_directory(tmp_path: Path) -> None:
+def test_info_fails_as_the_store_does_on_a_bad_spill_directory(tmp_path: Path, info: Info) -> None:
     a_file = tmp_path / "file"
     a_file.write_text("x")
     bad = [tmp_path / "missing", a_file]
@@ -75,37 +107,36 @@ def test_info_fails_as_the_store_does_on_a_bad_spill_directory(tmp_path: Path) -
         bad.append(locked)
     for parent in bad:
         expected = _store_error(parent)
-        for args in (["info"], ["info", "--json"]):
-            done = _run(*args, env={"TIERSTORE_DISK_DIR": str(parent)})
+        for args in ([], ["--json"]):
+            done = info(*args, env={"TIERSTORE_DISK_DIR": str(parent)})
             assert done.returncode == 2, (parent, done.stdout)
             assert expected in done.stderr, (expected, done.stderr)
 
 
-def test_info_shows_the_capacities_a_store_would_have(tmp_path: Path) -> None:
+def test_info_shows_the_capacities_a_store_would_have(tmp_path: Path, info: Info) -> None:
     env = {"TIERSTORE_DISK_DIR": str(tmp_path), "LOCAL_WORLD_SIZE": "4"}
-    info = json.loads(_run("info", "--json", env=env).stdout)
-    caps, free = info["capacities"], info["disk_dirs"][0]["free_bytes"]
-    assert info["config"]["disk_bytes"] is None
+    facts = json.loads(info("--json", env=env).stdout)
+    caps, free = facts["capacities"], facts["disk_dirs"][0]["free_bytes"]
+    assert facts["config"]["disk_bytes"] is None
     assert 0 < caps["disk_bytes"] <= free + 64 * 2**20
     assert caps["disk_bytes"] == caps["disk_free_bytes"]
-    assert caps["host_bytes"] == info["host_default"]["memory_bytes"] // 4 // 4
+    assert caps["host_bytes"] == facts["host_default"]["memory_bytes"] // 4 // 4
     assert "4 ranks" in caps["host_from"]
-    text = _run("info", env=env).stdout
+    text = info(env=env).stdout
     assert "disk_bytes           unset: the free space" in text
     disk = next(ln for ln in text.splitlines() if ln.startswith("  disk   "))
     assert "B (the free space under the spill directories)" in disk and "None" not in disk
 
     capped = {"TIERSTORE_DISK_DIR": str(tmp_path), "TIERSTORE_DISK_BYTES": "1000TiB"}
-    text = _run("info", env=capped).stdout
+    text = info(env=capped).stdout
     assert "(TIERSTORE_DISK_BYTES=1000 TiB, capped at the " in text, text
-    off = _run("info", "--json", env={**capped, "TIERSTORE_DISK_BYTES": "0"}).stdout
+    off = info("--json", env={**capped, "TIERSTORE_DISK_BYTES": "0"}).stdout
     assert json.loads(off)["capacities"]["disk_bytes"] == 0
 
 
 def test_info_warns_of_a_spill_directory_in_ram(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, info: Info
 ) -> None:
-    from tierstore import __main__ as main_module
     from tierstore import _spilldir
 
     for var in [v for v in os.environ if v.startswith("TIERSTORE_")]:
@@ -118,8 +149,8 @@ def test_info_warns_of_a_spill_directory_in_ram(
     shm = Path("/dev/shm")
     if _spilldir.ram_filesystem(shm) != "tmpfs" or not os.access(shm, os.W_OK):
         pytest.skip("no writable tmpfs at /dev/shm")
-    done = _run("info", env={"TIERSTORE_DISK_DIR": str(shm)})
+    done = info(env={"TIERSTORE_DISK_DIR": str(shm)})
     assert done.returncode == 0, done.stderr
     assert f"warning: disk_dir/TIERSTORE_DISK_DIR '{shm}' is on tmpfs" in done.stdout
-    facts = json.loads(_run("info", "--json", env={"TIERSTORE_DISK_DIR": str(shm)}).stdout)
+    facts = json.loads(info("--json", env={"TIERSTORE_DISK_DIR": str(shm)}).stdout)
     assert facts["disk_dirs"][0]["in_ram"] == "tmpfs"
