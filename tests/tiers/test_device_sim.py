@@ -507,7 +507,14 @@ def test_prefetch_during_backward(env: Env, device: str, layout: str) -> None:
     model, x = model_on(device, layers=3), batch_on(device, layout)
     plain = step(model, x)
     store = env.store("tiered", prefetch_bytes=MiB)
-    offloaded = step(model, x, wrap=lambda: tierstore.offload_activations(store, min_bytes=0))
+    offloaded = step(
+        model,
+        x,
+        wrap=lambda: tierstore.offload_activations(store, min_bytes=0),
+        # On a loaded machine the backward can come before the copies down have landed, and
+        # then takes every tensor from its device with nothing to fetch.
+        between=lambda: wait_for(lambda: settled(store), what="the copies and spills"),
+    )
     assert_same(offloaded, plain)
     st = store.stats()
     assert st.prefetch_hits > 0 and st.bytes_to_device > 0
