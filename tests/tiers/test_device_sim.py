@@ -493,7 +493,12 @@ def test_checkpoint_gradients_equal_no_offloading(env: Env, device: str, layout:
     model, x = model_on(device), batch_on(device, layout)
     plain = step(model, x)
     store = env.store("tiered", host_bytes=4096)
-    ckpt = step(model, x, layer=lambda block, h: tierstore.checkpoint(block, h, store=store))
+    ckpt = step(
+        model,
+        x,
+        layer=lambda block, h: tierstore.checkpoint(block, h, store=store),
+        between=lambda: wait_for(lambda: settled(store), what="the copies and spills"),
+    )
     st = store.stats()
     assert st.bytes_to_host > 0 and st.bytes_to_disk > 0
     assert_same(ckpt, plain)
