@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "checkpoint_memory.py"
+from scripts import run_benchmark
 
 
 def test_both_modes_report_every_block_and_identical_gradients(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.run(
-        [
-            sys.executable, str(SCRIPT), "--layers", "3", "--dim", "256", "--heads", "4",
-            "--seq", "256", "--batch", "4", "--steps", "2", "--disk-dir", str(tmp_path),
-        ],
-        env=env, capture_output=True, text=True, timeout=300, check=False,
+    proc = run_benchmark(
+        "checkpoint_memory.py", "--layers", "3", "--dim", "256", "--heads", "4", "--seq", "256",
+        "--batch", "4", "--steps", "2", "--disk-dir", str(tmp_path), timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()

@@ -2,32 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
-import subprocess
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from scripts import main_of_benchmark, run_benchmark
 from tierstore.tiers.raw import probe_direct_io
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "io_threads_cost.py"
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def test_each_size_and_direction_is_measured_three_ways_and_the_blocks_come_back(
@@ -35,8 +16,10 @@ def test_each_size_and_direction_is_measured_three_ways_and_the_blocks_come_back
 ) -> None:
     if not probe_direct_io(tmp_path).supported:
         pytest.skip(f"no O_DIRECT in {tmp_path}")
-    proc = _run("--dir", str(tmp_path), "--sizes", "64KiB,256KiB", "--total", "1MiB",
-                "--threads", "3", "--rounds", "2")  # fmt: skip
+    proc = run_benchmark(
+        "io_threads_cost.py", "--dir", str(tmp_path), "--sizes", "64KiB,256KiB", "--total", "1MiB",
+        "--threads", "3", "--rounds", "2",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = re.findall(r"^\s*(\d+) KiB\s+(write|read)\s+((?:[\d.]+\s+){6})\(round (\d)\)$",
                       proc.stdout, re.M)  # fmt: skip
@@ -51,15 +34,6 @@ def test_each_size_and_direction_is_measured_three_ways_and_the_blocks_come_back
     assert list(tmp_path.iterdir()) == []  # its file is gone
 
 
-def _main_of_script() -> Callable[[list[str]], int]:
-    spec = importlib.util.spec_from_file_location("io_threads_cost", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    main: Callable[[list[str]], int] = module.main
-    return main
-
-
 @pytest.mark.parametrize(
     ("args", "named"),
     [
@@ -72,7 +46,7 @@ def test_a_bad_size_is_refused_by_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], named: str
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
-        _main_of_script()(["--dir", str(tmp_path), *args])
+        main_of_benchmark("io_threads_cost.py")(["--dir", str(tmp_path), *args])
     assert exit_.value.code == 2
     assert named in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
