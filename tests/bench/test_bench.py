@@ -186,6 +186,8 @@ def test_the_default_run_answers_both_questions_and_draws_them(
     # absent), not fio whatever ran.
     tool = data["machine"]["raw_limit_tool"].split()[0]
     assert f"the disk limit is {tool}" in text and f"{tool} writing a new file" in text
+    # A dd limit says why the store may pass it.
+    assert ("(dd keeps one request in flight" in text) == (tool == "dd")
 
 
 @pytest.mark.parametrize("command", [[], ["disk"]], ids=["default", "disk"])

@@ -159,6 +159,11 @@ def headline(disk: list[dict[str, Any]], report: train.Report, tool: object = No
             f"{limit} writing a new file)"
         )
     lines.append("first spill, into new space: " + "; ".join(first))
+    if limit == "dd":
+        lines += [
+            "(dd keeps one request in flight and the store several, so the store can pass it,",
+            " reading most of all; with fio installed the limit keeps 16 in flight)",
+        ]
 
     def cpu(engine: str, op: str, size: int) -> str:
         row = by.get((engine, op, size))
