@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,9 +106,9 @@ def test_shrink_unmaps_free_buffers_largest_first_and_never_a_busy_one() -> None
 
 def test_shrink_keeps_free_buffers_within_keep_free() -> None:
     pool = ReadPool(keep_bytes=64 * MiB)
-    pool.take(512 * 1024)  # taken and dropped at once
+    pool.take(256 * 1024)  # taken and dropped at once
     assert pool.shrink() == 0  # SWEEP_KEEP_BYTES: one small buffer stays for reuse
-    pool.take(512 * 1024)
+    pool.take(256 * 1024)
     assert pool.reused == 1
 
 
@@ -156,10 +157,60 @@ def test_a_pool_at_its_buffer_cap_gives_none() -> None:
 
 def test_a_tensor_dying_after_clear_does_not_come_back() -> None:
     pool = ReadPool(keep_bytes=64 * MiB)
-    got = pool.take(MiB)
+    got = pool.take(3 * MiB)
     assert got is not None
     pool.clear()
     del got
     gc.collect()
-    assert pool.take(MiB) is not None
-    assert pool.created == 2 and pool.reused == 0 and pool.mapped_bytes == MiB
+    assert pool.take(3 * MiB) is not None
+    assert pool.created == 2 and pool.reused == 0 and pool.mapped_bytes == 3 * MiB
+
+
+# -- Note: [Small buffers share huge pages] ---------------------------------------------------
+
+
+def _mapped(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of this process."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return True
+    return False
+
+
+def test_buffers_of_512_kib_to_1_mib_are_pieces_of_one_huge_page_slab() -> None:
+    pool = ReadPool(keep_bytes=64 * MiB)
+    a, b = pool.take(MiB)[1], pool.take(MiB)[1]
+    assert abs(a.data_ptr() - b.data_ptr()) == MiB  # the two halves of one 2 MiB slab
+    assert pool.mapped_bytes == 2 * MiB and pool.buffers == 2 and pool.created == 2
+    a.fill_(1)
+    b.fill_(2)
+    c = pool.take(512 * 1024)[1]  # another size: a slab of its own
+    c.fill_(3)
+    assert pool.mapped_bytes == 4 * MiB
+    ptr = a.data_ptr()
+    del a
+    again = pool.take(MiB)[1]  # the freed piece comes back; its neighbour is untouched
+    assert again.data_ptr() == ptr and pool.reused == 1
+    assert torch.all(b == 2) and torch.all(c == 3)
+
+
+def test_a_slab_is_unmapped_when_its_last_piece_goes_and_never_under_a_busy_one() -> None:
+    pool = ReadPool(keep_bytes=64 * MiB)
+    a, b = pool.take(MiB)[1], pool.take(MiB)[1]
+    b.fill_(7)
+    address = a.data_ptr()
+    del a
+    assert pool.shrink(keep_free=0) == MiB  # the free piece is let go, its slab stays
+    assert _mapped(address) and torch.all(b == 7)
+    del b
+    gc.collect()
+    assert pool.shrink(keep_free=0) == MiB and pool.mapped_bytes == 0
+    assert not _mapped(address)
+
+
+@pytest.mark.parametrize("size", [256 * 1024, 768 * 1024, MiB + 4096])
+def test_other_sizes_under_2_mib_get_maps_of_their_own(size: int) -> None:
+    pool = ReadPool(keep_bytes=64 * MiB)
+    held = [pool.take(size)[1] for _ in range(2)]
+    assert pool.mapped_bytes == 2 * size and len(held) == 2

@@ -25,6 +25,24 @@ Note: [A finished sweep hands its buffers back]
     reusing its buffer. Within a sweep nothing changes: buffers cycle through the window, and
     only the first touch of each is paid again in the next step (a window per step, not the
     bytes read).
+
+Note: [Small buffers share huge pages]
+    Memory the process has never touched costs the kernel a fault and a page of zeros per
+    4 KiB: 0.33-0.35 CPU-s/GB here, most of what reading 1 MiB tensors cost, since the sweep's
+    end unmaps the buffers and the next sweep touches new ones. A 2 MiB transparent huge page
+    comes in one fault, at about 0.09 CPU-s/GB, but only in a 2 MiB-aligned range of a
+    mapping of at least that size, so buffers of 2 MiB and more ask for huge pages and smaller
+    ones could not. Buffers of ``SLAB_MIN_PIECE`` up to 1 MiB whose size divides 2 MiB are
+    therefore pieces of a 2 MiB slab mapped with ``MADV_HUGEPAGE``: each piece is a
+    ``memoryview`` slice that is taken, freed and trimmed like a buffer of its own, and the
+    slab is unmapped when its last piece is let go (``mapped_bytes`` counts pieces, so a slab
+    with a piece still in use counts less than it maps). The price is memory: a touched slab is
+    2 MiB resident however few of its pieces are in use, so a lone 512 KiB read holds four
+    times its bytes until it is dropped, which is why smaller buffers keep maps of their own.
+    Freed pieces are taken before fresh ones and a slab is mapped only when its size has no
+    fresh piece left, so at most one slab per size holds pieces never used: a training step
+    whose layer inputs are 1 MiB peaked 2-3 MiB higher, within the noise of one run
+    (docs/performance.md, "Small tensors").
 """
 
 from __future__ import annotations
@@ -40,6 +58,9 @@ __all__ = ["ReadPool"]
 
 _PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20
+SLAB_MIN_PIECE = 512 << 10
+"""The smallest buffer cut from a huge-page slab; smaller ones get maps of their own (Note:
+[Small buffers share huge pages])."""
 SWEEP_KEEP_BYTES = 1 << 20
 """Free bytes :meth:`ReadPool.shrink` keeps by default (Note: [A finished sweep hands its
 buffers back])."""
@@ -73,8 +94,8 @@ class _Lease(weakref.ref[memoryview]):
     __hash__ = object.__hash__
     __eq__ = object.__eq__
 
-    buffer: mmap.mmap
-    free: deque[mmap.mmap]
+    buffer: mmap.mmap | memoryview
+    free: deque[mmap.mmap | memoryview]
     busy: set[_Lease]
 
 
@@ -96,7 +117,8 @@ def _tensors(
 
 
 class ReadPool:
-    """Page-aligned host buffers, reused once no tensor refers to them.
+    """Page-aligned host buffers, reused once no tensor refers to them; those from 512 KiB to
+    1 MiB are cut from huge-page slabs (Note: [Small buffers share huge pages]).
 
     Args:
         keep_bytes: when a new buffer has to be mapped, free buffers beyond this many bytes
@@ -112,7 +134,9 @@ class ReadPool:
         self.keep_bytes = keep_bytes
         self.max_buffers = max_buffers
         # Free buffers by page-rounded size, the most recently freed last.
-        self._free: dict[int, deque[mmap.mmap]] = {}
+        self._free: dict[int, deque[mmap.mmap | memoryview]] = {}
+        # Never-used pieces of huge-page slabs, by size (Note: [Small buffers share huge pages]).
+        self._fresh: dict[int, deque[memoryview]] = {}
         # The leases of busy buffers: a weak reference's callback fires only while it lives.
         self._busy: set[_Lease] = set()
         self._lock = threading.Lock()
@@ -144,9 +168,27 @@ class ReadPool:
         size = max(_PAGE, -(-span // _PAGE) * _PAGE)
         with self._lock:
             free = self._free.setdefault(size, deque())
+            fresh = self._fresh.get(size)
+            m: mmap.mmap | memoryview
             if free:
                 m = free.pop()
                 self.reused += 1
+            elif fresh:
+                m = fresh.pop()
+                self.created += 1
+            elif SLAB_MIN_PIECE <= size < _HUGE and _HUGE % size == 0:
+                pieces = _HUGE // size
+                self._trim(self.keep_bytes - _HUGE, self.max_buffers - pieces)
+                if self.buffers + pieces > self.max_buffers:
+                    return None
+                whole = memoryview(_new_map(_HUGE))
+                slots = [whole[i * size : (i + 1) * size] for i in range(pieces)]
+                whole.release()
+                m = slots.pop(0)
+                self._fresh.setdefault(size, deque()).extend(slots)
+                self.buffers += pieces
+                self.mapped_bytes += _HUGE
+                self.created += 1
             else:
                 self._trim(self.keep_bytes - size, self.max_buffers - 1)
                 if self.buffers >= self.max_buffers:
@@ -171,6 +213,7 @@ class ReadPool:
         with self._lock:
             before = self.mapped_bytes
             free = sum(size * len(maps) for size, maps in self._free.items())
+            free += sum(size * len(slots) for size, slots in self._fresh.items())
             if free > keep_free:
                 self._trim(self.mapped_bytes - free + keep_free)
             return before - self.mapped_bytes
@@ -179,18 +222,23 @@ class ReadPool:
         """Unmap free buffers, largest first, while more than ``limit`` bytes or more than
         ``max_buffers`` buffers are mapped."""
         most = self.buffers if max_buffers is None else max_buffers
-        for size in sorted(self._free, reverse=True):
-            free = self._free[size]
-            while free and (self.mapped_bytes > limit or self.buffers > most):
-                free.popleft().close()  # the longest free first
-                self.buffers -= 1
-                self.mapped_bytes -= size
+        for size in sorted(set(self._free) | set(self._fresh), reverse=True):
+            for free in (self._fresh.get(size), self._free.get(size)):
+                while free and (self.mapped_bytes > limit or self.buffers > most):
+                    buffer = free.popleft()  # the longest free first
+                    if isinstance(buffer, memoryview):
+                        buffer.release()  # a slab is unmapped once all its pieces are let go
+                    else:
+                        buffer.close()
+                    self.buffers -= 1
+                    self.mapped_bytes -= size
 
     def clear(self) -> None:
         """Forget every buffer; buffers still used by tensors are unmapped when those die."""
         with self._lock:
             # New containers: a late callback appends to a list no one reads any more.
             self._free = {}
+            self._fresh = {}
             self._busy = set()
             self.buffers = 0
             self.mapped_bytes = 0
