@@ -84,6 +84,9 @@ TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or sh
 )
 
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def run_torchrun_example(name: str, *args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """``name`` on two ranks under torchrun; its spill directories are gone afterwards."""
     assert TORCHRUN is not None
@@ -91,14 +94,19 @@ def run_torchrun_example(name: str, *args: str, tmp_path: Path) -> subprocess.Co
     spill.mkdir(exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     example = [str(ROOT / "examples" / name), *args, "--disk-dir", str(spill)]
-    proc = subprocess.run(
-        [TORCHRUN, "--standalone", "--nproc_per_node", "2", *example],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    for _ in range(2):
+        proc = subprocess.run(
+            [TORCHRUN, "--standalone", "--nproc_per_node", "2", *example],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        # Gloo now and then aborts a rank at exit, after its work is done, with or without
+        # tierstore (the example's own comment at its barrier): that run is tried once more.
+        if proc.returncode == 0 or GLOO_EXIT_ABORT not in proc.stderr:
+            break
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert list(spill.iterdir()) == []
     return proc
