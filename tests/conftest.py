@@ -20,17 +20,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    # mypy runs beside the other tests when its test is among them (tests/test_lint.py); not
-    # in pytest-xdist's workers, each of which collects every test but runs only some.
-    if hasattr(session.config, "workerinput"):
-        return
-    for item in session.items:
-        if item.name == "test_mypy_strict_is_clean" and isinstance(item, pytest.Function):
-            item.module.start_mypy(session.config)
-            return
-
-
 @pytest.fixture
 def disk_dir(tmp_path: Path) -> Path:
     """A parent directory for spill directories, private to one test."""

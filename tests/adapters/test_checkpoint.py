@@ -362,6 +362,9 @@ def test_the_first_layers_recompute_holds_no_other_read_buffer(
         h = x * 1.0  # as an embedding's output: only the checkpoint keeps it
         for layer in layers:
             h = wrap(layer, h)
+        # Every input on disk before backward, so that each comes back from there (on a loaded
+        # machine the last one's write can still be in flight when backward asks for it).
+        assert wait_for(lambda: store.stats().inflight_bytes == 0)
         h.square().sum().backward()
         return [p.grad.clone() for p in layers.parameters() if p.grad is not None]
 
