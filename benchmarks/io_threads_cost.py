@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import resource
 import sys
 import tempfile
 import time
@@ -35,11 +34,6 @@ from tierstore.config import parse_size
 from tierstore.errors import ConfigError
 from tierstore.tiers.raw import probe_direct_io
 from tierstore.tiers.raw._syscalls import pread_all, pwrite_all
-
-
-def _cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _stamp(block: int, i: int) -> bytes:
@@ -63,11 +57,11 @@ def pool(path: Path, total: int, block: int, threads: int, write: bool) -> tuple
             pread_all(fd, views[i % threads], i * block, path)
 
     try:
-        cpu, t0 = _cpu_seconds(), time.perf_counter()
+        cpu, t0 = time.process_time(), time.perf_counter()
         with ThreadPoolExecutor(threads) as workers:
             for _ in workers.map(one, range(total // block)):
                 pass
-        seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu
     finally:
         os.close(fd)
         for v in views:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts import run_benchmark
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
@@ -270,17 +272,8 @@ def test_help_describes_each_command_in_plain_text(
 def test_the_gpu_copy_script_runs_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/gpu_copy.py runs only where a GPU is lent, rarely: its CPU mode keeps it
     working in between (every path checks its tensors bit for bit, so this also checks them)."""
-    script = SRC.parent / "benchmarks" / "gpu_copy.py"
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
     argv = ["--device", "cpu", "--size", "1MiB", "--count", "4", "--rounds", "2"]
-    done = subprocess.run(
-        [sys.executable, str(script), *argv, "--disk-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    done = run_benchmark("gpu_copy.py", *argv, "--disk-dir", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     for path in ("host tier", "disk tier", "disk tier, CPU tensors"):

@@ -176,26 +176,24 @@ class ReadPool:
             elif fresh:
                 m = fresh.pop()
                 self.created += 1
-            elif SLAB_MIN_PIECE <= size < _HUGE and _HUGE % size == 0:
-                pieces = _HUGE // size
-                self._trim(self.keep_bytes - _HUGE, self.max_buffers - pieces)
+            else:
+                # A slab of pieces where the size fits one (Note: [Small buffers share huge
+                # pages]), otherwise a map of its own.
+                slab = SLAB_MIN_PIECE <= size < _HUGE and _HUGE % size == 0
+                pieces = _HUGE // size if slab else 1
+                self._trim(self.keep_bytes - pieces * size, self.max_buffers - pieces)
                 if self.buffers + pieces > self.max_buffers:
                     return None
-                whole = memoryview(_new_map(_HUGE))
-                slots = [whole[i * size : (i + 1) * size] for i in range(pieces)]
-                whole.release()
-                m = slots.pop(0)
-                self._fresh.setdefault(size, deque()).extend(slots)
+                if slab:
+                    whole = memoryview(_new_map(_HUGE))
+                    slots = [whole[i * size : (i + 1) * size] for i in range(pieces)]
+                    whole.release()
+                    m = slots.pop(0)
+                    self._fresh.setdefault(size, deque()).extend(slots)
+                else:
+                    m = _new_map(size)
                 self.buffers += pieces
-                self.mapped_bytes += _HUGE
-                self.created += 1
-            else:
-                self._trim(self.keep_bytes - size, self.max_buffers - 1)
-                if self.buffers >= self.max_buffers:
-                    return None
-                m = _new_map(size)
-                self.buffers += 1
-                self.mapped_bytes += size
+                self.mapped_bytes += pieces * size
                 self.created += 1
             view = memoryview(m)
             lease = _Lease(view, _handed_back)
