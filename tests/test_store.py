@@ -28,7 +28,7 @@ from tierstore import (
     UnsupportedTensorError,
     WrongThreadError,
 )
-from tierstore.testing import FaultyEngine, audit, install_faults, internals, wait_for
+from tierstore.testing import FaultyEngine, audit, install_faults, internals, settled, wait_for
 
 if TYPE_CHECKING:
     from tierstore.tiers import DiskEngine
@@ -121,7 +121,7 @@ def test_views_noncontiguous_zero_size_and_scalars(make_store: MakeStore, tier: 
         "neg_bit": torch.randn(4, dtype=torch.complex64).conj().imag,
     }
     handles = {k: store.put(v) for k, v in cases.items()}
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     if tier == "disk":
         tiers = {k: store.tier_of(h) for k, h in handles.items()}
         assert tiers.pop("zero_size") is Tier.DEVICE  # nothing to move
@@ -161,7 +161,7 @@ def test_a_view_does_not_keep_its_base_alive(make_store: MakeStore) -> None:
 def test_cascade_keeps_newest_in_fastest_tier(make_store: MakeStore) -> None:
     store = make_store(device_bytes=2 * MiB, host_bytes=2 * MiB, prefetch_bytes=0)
     hs = [store.put(torch.full((MiB // 4,), float(i))) for i in range(6)]  # 1 MiB each
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     tiers = [store.tier_of(h) for h in hs]
     assert tiers == [Tier.DISK, Tier.DISK, Tier.HOST, Tier.HOST, Tier.DEVICE, Tier.DEVICE]
     st = store.stats()
@@ -336,7 +336,7 @@ def test_get_returns_a_tensor_that_owns_exactly_its_bytes(
         base[128:].view(torch.int16)[: MiB + 7].reshape(MiB + 7, 1).t(),
     ]
     handles = [store.put(t) for t in cases]
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     for t, h in zip(cases, handles, strict=True):
         out = store.get(h)
         assert _same_bits(out, t)
@@ -353,7 +353,7 @@ def test_a_contiguous_tensor_with_odd_strides_on_size_one_dims_spills(
     t = torch.tensor([7], dtype=torch.int16)[0:1:2].unflatten(0, (1, -1)).t()
     assert t.is_contiguous() and t.stride() == (2, 2)
     h = store.put(t)
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     assert store.tier_of(h) is Tier.DISK
     assert _same_bits(store.get(h), t)
 
@@ -407,7 +407,7 @@ def test_backward_order_sweep_mostly_hits(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=MiB, prefetch_bytes=8 * MiB)
     ts = [torch.randn(MiB // 4) for _ in range(40)]
     hs = [store.put(t) for t in ts]
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     for h, t in zip(reversed(hs), reversed(ts), strict=False):
         assert torch.equal(store.get(h), t)
     st = store.stats()
@@ -421,7 +421,7 @@ def test_a_backward_sweep_walks_each_entry_about_once(make_store: MakeStore) -> 
     n = 1500
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes="unlimited")
     hs = [store.put(torch.full((256,), float(i))) for i in range(n)]
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     for i in reversed(range(n)):
         assert store.get(hs[i])[0].item() == float(i)
     assert internals(store).prefetch_walk_steps <= 3 * n, internals(store).prefetch_walk_steps
@@ -498,7 +498,7 @@ def test_put_waits_when_the_save_semaphore_is_full(make_store: MakeStore) -> Non
     thread.join(10)
     assert done.is_set()
     assert engine.peak <= 2 * MiB
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     assert all(store.tier_of(h) is Tier.DISK for h in handles)
     assert store.stats().put_wait_seconds > 0.05
 
@@ -509,7 +509,7 @@ def test_put_waits_when_the_save_semaphore_is_full(make_store: MakeStore) -> Non
 def test_entry_lives_exactly_as_long_as_its_handle(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
     h = store.put(torch.randn(MiB // 4))
-    wait_for(lambda: store.stats().disk.entries == 1 and store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.stats().disk.entries == 1 and settled(store))
     assert store.tier_of(h) is Tier.DISK
     (spill,) = store.spill_dirs
     assert store.stats().live_entries == 1
@@ -561,7 +561,7 @@ def test_release_during_a_spill_frees_everything(make_store: MakeStore) -> None:
     assert torch.equal(store.get(h), store.get(h))  # source still readable in flight
     store.release(h)
     gated.gate.set()
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     st = store.stats()
     assert (st.host.bytes, st.disk.bytes, st.live_entries) == (0, 0, 0)
     audit(store)
@@ -622,7 +622,7 @@ def test_many_threads_share_one_store(make_store: MakeStore) -> None:
         th.join(30)
     assert errors == []
     gc.collect()
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     audit(store)
     assert store.stats().live_entries == 0
 
@@ -743,7 +743,7 @@ def test_a_get_waiting_on_a_failed_prefetch_reads_once_itself(make_store: MakeSt
     held = install_faults(store, HeldReadEngine)
     t = torch.randn(MiB // 4)
     h = store.put(t)
-    wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.tier_of(h) is Tier.DISK and settled(store))
     store.prefetch([h])
     assert store.state_of(h) is TensorState.FETCHING
     result: list[Any] = []
@@ -762,9 +762,7 @@ def test_a_prefetch_makes_a_future_only_when_a_get_waits_on_it(make_store: MakeS
     held.failing = 0
     ts = [torch.randn(MiB // 4) for _ in range(2)]
     hs = [store.put(t) for t in ts]
-    wait_for(
-        lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and store.stats().inflight_bytes == 0
-    )
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs) and settled(store))
     store.prefetch(hs)
     entries = [internals(store).entry(h) for h in hs]
     assert [e.state for e in entries] == [TensorState.FETCHING] * 2
@@ -788,7 +786,7 @@ def test_a_get_that_fails_keeps_no_handle_alive(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
     faulty = install_faults(store)
     h = store.put(torch.randn(1024))
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     assert store.tier_of(h) is Tier.DISK
     faulty.fail_reads(errno.EIO, times=1)
     gc.disable()
@@ -848,7 +846,7 @@ def test_a_get_whose_own_read_fails_raises(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
     held = install_faults(store, HeldReadEngine)
     h = store.put(torch.randn(MiB // 4))
-    wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.tier_of(h) is Tier.DISK and settled(store))
     held.read_gate.set()
     with pytest.raises(tierstore.SpillIOError, match=f"tensor #{h.key}"):
         store.get(h)
@@ -863,7 +861,7 @@ def test_a_read_buffer_that_cannot_be_allocated_fails_the_get_instead_of_hanging
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0, timeout=20)
     t = torch.randn(MiB)  # a pooled read
     h = store.put(t)
-    wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.tier_of(h) is Tier.DISK and settled(store))
 
     def no_memory(self: ReadPool, nbytes: int, **kwargs: int) -> None:
         raise MemoryError(f"cannot map {nbytes} bytes")

@@ -16,12 +16,12 @@ from _adapters_util import (
     assert_equal_tensors,
     grads,
     model_and_batch,
-    settled,
-    wait_for,
+    stats_once_released,
 )
 from torch import nn
 
 import tierstore
+from tierstore.testing import settled, wait_for
 
 
 def train_steps(store: tierstore.TieredStore | None, steps: int = 2) -> list[torch.Tensor]:
@@ -38,7 +38,7 @@ def train_steps(store: tierstore.TieredStore | None, steps: int = 2) -> list[tor
         opt.zero_grad()
         loss = model.loss(ids, layer_call=None if store is None else call)
         if store is not None:
-            assert wait_for(lambda: store.stats().inflight_bytes == 0)
+            wait_for(lambda: settled(store))
         loss.backward()
         out += grads(model)
         opt.step()
@@ -50,7 +50,7 @@ def test_grads_equal_with_dropout_and_each_tier(store_factory: StoreFactory, tie
     expected = train_steps(None)
     store = store_factory(tier)
     assert_equal_tensors(expected, train_steps(store))
-    stats = settled(store)
+    stats = stats_once_released(store)
     assert stats.puts > 0 and stats.live_entries == 0
     if tier == "disk":
         assert stats.bytes_to_disk == stats.bytes_put and stats.bytes_from_disk > 0
@@ -221,7 +221,7 @@ def test_eval_and_no_grad_store_nothing(store_factory: StoreFactory) -> None:
     y = tierstore.checkpoint(layer, x, store=store)  # eval mode, grad on: a graph, no backward
     assert store.stats().live_entries == 1
     del y
-    assert settled(store).live_entries == 0
+    assert stats_once_released(store).live_entries == 0
 
 
 def test_forward_without_backward_and_exceptions_free_everything(
@@ -237,7 +237,7 @@ def test_forward_without_backward_and_exceptions_free_everything(
         loss = model.loss(ids, layer_call=call)
         assert store.stats().live_entries > 0
         del loss
-        assert settled(store).live_entries == 0
+        assert stats_once_released(store).live_entries == 0
 
     def failing(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if block is model.blocks[1]:
@@ -247,7 +247,7 @@ def test_forward_without_backward_and_exceptions_free_everything(
     with pytest.raises(KeyError) as info:
         model.loss(ids, layer_call=failing)
     del info
-    assert settled(store).live_entries == 0
+    assert stats_once_released(store).live_entries == 0
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
@@ -271,7 +271,7 @@ def test_retain_graph_second_backward(store_factory: StoreFactory, tier: str) ->
     loss.backward()
     assert_equal_tensors(expected, grads(model))
     del loss
-    assert settled(store).live_entries == 0
+    assert stats_once_released(store).live_entries == 0
 
 
 def test_one_tensor_given_to_every_layer_is_stored_once(store_factory: StoreFactory) -> None:
@@ -304,7 +304,7 @@ def test_store_empty_after_each_of_100_steps(store_factory: StoreFactory) -> Non
         opt.zero_grad()
         model.loss(ids, layer_call=call).backward()
         opt.step()
-        assert settled(store).live_entries == 0, step
+        assert stats_once_released(store).live_entries == 0, step
     assert store.stats().puts == 100 * len(model.blocks)
 
 
@@ -323,7 +323,7 @@ def test_checkpoints_into_two_stores_are_independent(store_factory: StoreFactory
     assert x.grad is not None and torch.equal(x.grad, -torch.sin(x.detach()))
     assert b.stats().gets == 1
     del ya, yb
-    assert settled(b).live_entries == 0
+    assert stats_once_released(b).live_entries == 0
 
 
 def test_closing_one_store_leaves_backward_through_another_working(
@@ -364,7 +364,7 @@ def test_the_first_layers_recompute_holds_no_other_read_buffer(
             h = wrap(layer, h)
         # Every input on disk before backward, so that each comes back from there (on a loaded
         # machine the last one's write can still be in flight when backward asks for it).
-        assert wait_for(lambda: store.stats().inflight_bytes == 0)
+        wait_for(lambda: settled(store))
         h.square().sum().backward()
         return [p.grad.clone() for p in layers.parameters() if p.grad is not None]
 
@@ -374,4 +374,4 @@ def test_the_first_layers_recompute_holds_no_other_read_buffer(
         assert_equal_tensors(expected, run(functools.partial(tierstore.checkpoint, store=store)))
         recompute = mapped_in_first_layer[-1]
         assert recompute <= x.nbytes + (1 << 20) + 4096, recompute
-    assert settled(store).bytes_from_disk == 2 * 6 * x.nbytes
+    assert stats_once_released(store).bytes_from_disk == 2 * 6 * x.nbytes

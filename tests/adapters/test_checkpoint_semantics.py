@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _adapters_util import StoreFactory, settled, wait_for
+from _adapters_util import StoreFactory, stats_once_released
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointError
@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_sequential
 
 import tierstore
+from tierstore.testing import settled, wait_for
 
 ROWS, WIDTH = 2048, 256  # a float32 input of 2 MiB
 
@@ -73,7 +74,7 @@ def test_torch_autograd_grad_through_a_checkpoint(store_factory: StoreFactory) -
     y = tierstore.checkpoint(model, x * 2, store=store)  # an input nobody keeps
     # Backward right after the forward can find the spill still running and take the input
     # from memory; wait, so that the recompute's read from disk is what this test checks.
-    assert wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     got = torch.autograd.grad(y.sum(), [x, *model.parameters()])
     _same(list(expected), list(got))
     assert store.stats().bytes_from_disk > 0  # the recompute read the input from disk
@@ -250,7 +251,7 @@ def test_same_gradients_as_torchs_checkpoint_with_kwargs_and_outputs(
         results.append(_grads(model, x, scale))
         model.zero_grad()
     _same(*results)
-    assert settled(store).live_entries == 0
+    assert stats_once_released(store).live_entries == 0
 
 
 def test_use_reentrant_true_is_accepted_and_warns_once(store_factory: StoreFactory) -> None:

@@ -21,13 +21,13 @@ from _adapters_util import (
     assert_equal_tensors,
     grads,
     model_and_batch,
-    settled,
-    wait_for,
+    stats_once_released,
 )
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import tierstore
+from tierstore.testing import settled, wait_for
 
 
 def train_steps(
@@ -51,7 +51,7 @@ def train_steps(
             with tierstore.offload_activations(store):
                 loss = model.loss(ids)
             # Let every write land, so that backward really reads the slowest tier back.
-            assert wait_for(lambda: store.stats().inflight_bytes == 0)
+            wait_for(lambda: settled(store))
         loss.backward()
         out += grads(model)
         opt.step()
@@ -67,7 +67,7 @@ def test_grads_equal_to_no_offload_with_each_tier(store_factory: StoreFactory, t
     store = store_factory(tier)
     got = train_steps(store)
     assert_equal_tensors(expected, got)
-    stats = settled(store)
+    stats = stats_once_released(store)
     placed = {"device": stats.device, "host": stats.host, "disk": stats.disk}
     assert placed[tier].total_entries == stats.puts > 0
     # Entries pass through the faster tiers on their way down and never reach a slower one.
@@ -97,7 +97,7 @@ def test_memory_flat_over_200_steps_with_disk_tier(store_factory: StoreFactory) 
         loss.backward()
         opt.step()
         del loss
-        stats = settled(store)
+        stats = stats_once_released(store)
         assert stats.live_entries == 0, f"step {step}: {stats.live_entries} entries left"
         if step == 0:
             per_step = stats.bytes_put
@@ -132,7 +132,7 @@ def test_tensors_sharing_a_storage_are_stored_once(store_factory: StoreFactory) 
     (expected,) = torch.autograd.grad(loss_of()[0], x)
     assert torch.equal(got, expected)
     del loss, y
-    assert settled(store).live_entries == 0
+    assert stats_once_released(store).live_entries == 0
 
 
 def test_a_views_base_storage_is_freed(store_factory: StoreFactory) -> None:
@@ -145,13 +145,13 @@ def test_a_views_base_storage_is_freed(store_factory: StoreFactory) -> None:
         loss = (view * w).sum()  # mul saves the view (to compute w's gradient)
     del base, view
     # Once written, the only copy is in the spill file: the 16 MiB base is gone from memory.
-    assert wait_for(lambda: store.stats().disk.entries == 1)
+    wait_for(lambda: store.stats().disk.entries == 1)
     gc.collect()
-    assert wait_for(base_ref.expired), "the view's base storage is still alive"
+    wait_for(base_ref.expired, what="the view's base storage freed")
     loss.backward()
     assert w.grad is not None and w.grad.shape == (16,)
     del loss
-    assert settled(store).live_entries == 0
+    assert stats_once_released(store).live_entries == 0
 
 
 # -- invariant 4: device, dtype, shape, strides and values ----------------------------------
@@ -192,7 +192,7 @@ def test_device_dtype_shape_strides_and_values_restored(
     (y.sum().real if dtype.is_complex else y.sum()).backward()
     assert x.grad is not None and x.grad.dtype == dtype
     del y
-    assert settled(store).live_entries == 0
+    assert stats_once_released(store).live_entries == 0
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -240,7 +240,7 @@ def test_eval_no_grad_and_exceptions_leak_nothing(store_factory: StoreFactory) -
             loss = model.loss(ids)  # eval mode, grad on: a graph is built, never run
         assert store.stats().live_entries > 0
         del loss
-        assert settled(store).live_entries == 0
+        assert stats_once_released(store).live_entries == 0
     puts = store.stats().puts
     with torch.no_grad(), tierstore.offload_activations(store):
         model.loss(ids)
@@ -258,7 +258,7 @@ def test_eval_no_grad_and_exceptions_leak_nothing(store_factory: StoreFactory) -
     with pytest.raises(Boom) as info:
         failing_forward()
     del info  # the traceback holds the frames that hold the graph
-    assert settled(store).live_entries == 0
+    assert stats_once_released(store).live_entries == 0
 
 
 # -- invariant 6: retain_graph and a second backward ----------------------------------------
@@ -281,7 +281,7 @@ def test_retain_graph_second_backward(store_factory: StoreFactory, tier: str) ->
     assert store.stats().live_entries > 0  # retained for the second backward
     loss.backward()
     assert_equal_tensors(expected, grads(model))
-    assert settled(store).live_entries == 0
+    assert stats_once_released(store).live_entries == 0
 
 
 def test_double_backward_with_create_graph(store_factory: StoreFactory) -> None:
@@ -418,7 +418,7 @@ def test_torch_checkpoint_inside_the_block(store_factory: StoreFactory) -> None:
     assert store.stats().puts > 0  # what the checkpointed blocks return is offloaded
     loss.backward()
     assert_equal_tensors(expected, grads(model))
-    assert settled(store).live_entries == 0
+    assert stats_once_released(store).live_entries == 0
 
 
 def test_training_on_several_threads_at_once(store_factory: StoreFactory) -> None:
@@ -456,7 +456,7 @@ def test_training_on_several_threads_at_once(store_factory: StoreFactory) -> Non
     for i in range(3):
         assert_equal_tensors(expected, results[i])
     assert store.stats().puts > 0
-    assert settled(store).live_entries == 0
+    assert stats_once_released(store).live_entries == 0
 
 
 # -- prefetch order and visibility ----------------------------------------------------------
@@ -511,7 +511,7 @@ def test_stats_show_what_was_offloaded_and_summary_is_logged(
 ) -> None:
     store = store_factory("disk", min_bytes=1024)
     train_steps(store, steps=1)
-    stats = settled(store)
+    stats = stats_once_released(store)
     assert stats.disk.total_entries == stats.puts > 0
     # The disk tier counts whole pages per entry: at least the bytes put.
     assert stats.disk.total_bytes >= stats.bytes_put >= stats.bytes_to_disk > 0

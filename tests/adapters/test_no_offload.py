@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from _adapters_util import StoreFactory, settled
+from _adapters_util import StoreFactory, stats_once_released
 from torch import nn
 
 import tierstore
-from tierstore.testing import wait_for
+from tierstore.testing import settled, wait_for
 
 
 def _model() -> nn.Sequential:
@@ -39,9 +39,9 @@ def test_a_no_offload_region_keeps_its_tensors_and_gradients_are_exact(
             out = out + 0 * model[3](h)
     # Spilled before backward, so that the tensors really come back from disk (on a loaded
     # machine the backward can otherwise take them while their writes are in flight).
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     out.sum().backward()
     for a, b in zip(expected, _grads(model), strict=True):
         assert torch.equal(a, b)
-    stats = settled(store)
+    stats = stats_once_released(store)
     assert stats.bytes_to_disk >= 2 * 2**20 and stats.bytes_from_disk > 0

@@ -17,7 +17,7 @@ from torch import nn
 import tierstore
 from tierstore import SpillIOError, TieredStore
 from tierstore.core import _disk_room as disk_room
-from tierstore.testing import audit, install_faults, wait_for
+from tierstore.testing import audit, install_faults, settled, wait_for
 
 KiB = 1 << 10
 MakeStore = Callable[..., TieredStore]
@@ -42,7 +42,7 @@ def _grads(model: nn.Module, store: TieredStore | None) -> list[torch.Tensor]:
         assert offload_activations is not None
         with offload_activations(store, min_bytes=0):
             loss = model(x).square().sum()
-        wait_for(lambda: store.stats().inflight_bytes == 0)
+        wait_for(lambda: settled(store))
     loss.backward()
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
@@ -76,7 +76,7 @@ def test_failing_disk_read_in_backward_raises_naming_the_tensor(make_store: Make
     assert offload_activations is not None
     with offload_activations(store, min_bytes=0):
         loss = model(x).square().sum()
-    wait_for(lambda: store.stats().inflight_bytes == 0 and store.stats().disk.entries > 0)
+    wait_for(lambda: settled(store) and store.stats().disk.entries > 0)
     faulty.fail_reads(errno.EIO)
     with pytest.raises(SpillIOError, match=r"tensor #\d+"):
         loss.backward()

@@ -26,7 +26,7 @@ import tierstore._spilldir as spilldir
 from tierstore import SpillIOError, Tier, TieredStore, TierFullError
 from tierstore._spilldir import PREFIX, sweep_stale
 from tierstore.core import _disk_room as disk_room
-from tierstore.testing import backdoor_files, install_faults, wait_for
+from tierstore.testing import backdoor_files, install_faults, settled, wait_for
 
 MiB = 1 << 20
 MakeStore = Callable[..., TieredStore]
@@ -35,7 +35,7 @@ FORMATS = ["raw"] + (["zarr"] if importlib.util.find_spec("tierstore.tiers._zarr
 
 def _spill(store: TieredStore, t: torch.Tensor) -> Any:
     h = store.put(t)
-    wait_for(lambda: store.tier_of(h) is Tier.DISK and store.stats().inflight_bytes == 0)
+    wait_for(lambda: store.tier_of(h) is Tier.DISK and settled(store))
     return h
 
 
@@ -118,7 +118,7 @@ def test_symlinks_planted_at_spill_file_names_are_never_followed(
                 break
             except TierFullError:
                 time.sleep(0.005)
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     for h, t in zip(hs, ts, strict=True):
         assert torch.equal(store.get(h), t)
     assert victim.read_bytes() == b"keep me", "a spill write followed a planted symlink"
@@ -187,7 +187,7 @@ def test_no_tensor_contents_are_ever_logged(
                     break
                 except tierstore.TierFullError:
                     time.sleep(0.005)
-        wait_for(lambda: faulty.writes >= 2 and store.stats().inflight_bytes == 0)
+        wait_for(lambda: faulty.writes >= 2 and settled(store))
         faulty.fail_reads(errno.EIO, times=1)
         errors: list[str] = []
         for h in hs:

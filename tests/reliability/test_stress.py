@@ -42,7 +42,7 @@ from tierstore import (
     TierFullError,
 )
 from tierstore.core import _disk_room as disk_room
-from tierstore.testing import audit, install_faults, wait_for
+from tierstore.testing import audit, install_faults, settled, wait_for
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -212,7 +212,7 @@ def test_eight_threads_thousands_of_random_calls(
         faulthandler.cancel_dump_traceback_later()
     assert not errors, errors[:3]
     live = [pair for pairs in kept.values() for pair in pairs]
-    wait_for(lambda: store.stats().inflight_bytes == 0)
+    wait_for(lambda: settled(store))
     gc.collect()
     st = store.stats()
     assert st.live_entries == len(live), (st.live_entries, len(live))
@@ -357,7 +357,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule()
     def settle(self) -> None:
         assert self.store is not None
-        wait_for(lambda: self.store is not None and self.store.stats().inflight_bytes == 0)
+        wait_for(lambda: self.store is not None and settled(self.store))
 
     @invariant()
     def consistent(self) -> None:
