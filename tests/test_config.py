@@ -103,6 +103,13 @@ def test_numbers_out_of_range(var: str, value: str) -> None:
         StoreConfig.from_env({var: value})
 
 
+def test_a_bad_keyword_is_named_as_the_keyword() -> None:
+    with pytest.raises(ConfigError, match=r"io_chunk_bytes=5000: must be a multiple of 4096"):
+        StoreConfig.from_env({}, io_chunk_bytes=5000)
+    with pytest.raises(ConfigError, match=r"io_chunk_bytes=5000: must be a multiple of 4096"):
+        StoreConfig.from_env({}).replace(io_chunk_bytes=5000)
+
+
 def test_environment_read_and_overrides_win(tmp_path: Path) -> None:
     env = {
         "TIERSTORE_DEVICE_BYTES": "1MiB",

@@ -323,16 +323,7 @@ class StoreConfig:
         values: dict[str, object] = {}
         for field, (name, value) in raw.items():
             values[field] = _parse_field(field, name, value)
-        cfg = cls(**values)  # type: ignore[arg-type]
-        cfg._check()
-        return cfg
-
-    def _check(self) -> None:
-        if self.io_chunk_bytes % 4096:
-            raise ConfigError(
-                f"TIERSTORE_IO_CHUNK_BYTES={self.io_chunk_bytes!r}: must be a multiple of 4096 "
-                "(O_DIRECT transfers whole pages)"
-            )
+        return cls(**values)  # type: ignore[arg-type]
 
     def replace(self, **changes: object) -> StoreConfig:
         """A copy with some fields changed, parsed and checked like :meth:`from_env` overrides."""
@@ -367,6 +358,10 @@ def _parse_field(field: str, name: str, value: object) -> object:
         size = parse_size(value, name=name)  # type: ignore[arg-type]
         if not 4096 <= size <= GiB:
             raise ConfigError(f"{name}={value!r}: must be from 4KiB to 1GiB")
+        if size % 4096:
+            raise ConfigError(
+                f"{name}={value!r}: must be a multiple of 4096 (O_DIRECT transfers whole pages)"
+            )
         return size
     if field == "io_threads":
         return _parse_int(value, name=name, low=1, high=256)  # type: ignore[arg-type]

@@ -350,7 +350,7 @@ def test_the_first_layers_recompute_holds_no_other_read_buffer(
     width, rows = 512, 1024  # 2 MiB layer inputs: the raw engine's multi-chunk reads
     layers = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(6))
     x = torch.randn(rows, width)
-    store = store_factory("disk", prefetch_bytes=8 << 20)
+    store = store_factory("disk", prefetch_bytes=8 << 20, io_chunk_bytes=1 << 20)
     mapped_in_first_layer: list[int] = []
     layers[0].register_forward_pre_hook(
         lambda *_: mapped_in_first_layer.append(internals(store).read_pool.mapped_bytes)

@@ -8,8 +8,10 @@ past 1 MiB that the caller does not keep, so the recompute reads them back from 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -51,6 +53,19 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         assert torch.equal(x, y)
 
 
+@contextlib.contextmanager
+def _from_disk(store: tierstore.TieredStore) -> Iterator[None]:
+    """Run a backward once the forward's spills have landed, and check it read from disk.
+
+    Backward right after the forward can find a spill still running and take the input from
+    memory; waiting makes the recompute's read from disk the path under test.
+    """
+    wait_for(lambda: settled(store))
+    before = store.stats().bytes_from_disk
+    yield
+    assert store.stats().bytes_from_disk > before, "the recompute read nothing from disk"
+
+
 class _CountOps(TorchDispatchMode):
     """Counts the aten calls of one kind while active."""
 
@@ -72,12 +87,9 @@ def test_torch_autograd_grad_through_a_checkpoint(store_factory: StoreFactory) -
     expected = torch.autograd.grad(model(x * 2).sum(), [x, *model.parameters()])
     torch.manual_seed(5)
     y = tierstore.checkpoint(model, x * 2, store=store)  # an input nobody keeps
-    # Backward right after the forward can find the spill still running and take the input
-    # from memory; wait, so that the recompute's read from disk is what this test checks.
-    wait_for(lambda: settled(store))
-    got = torch.autograd.grad(y.sum(), [x, *model.parameters()])
+    with _from_disk(store):
+        got = torch.autograd.grad(y.sum(), [x, *model.parameters()])
     _same(list(expected), list(got))
-    assert store.stats().bytes_from_disk > 0  # the recompute read the input from disk
 
 
 def test_backward_with_inputs_through_a_checkpoint(store_factory: StoreFactory) -> None:
@@ -88,7 +100,9 @@ def test_backward_with_inputs_through_a_checkpoint(store_factory: StoreFactory) 
     expected = x.grad.clone()
     x.grad = None
     torch.manual_seed(5)
-    tierstore.checkpoint(model, x * 2, store=store).sum().backward(inputs=[x])
+    y = tierstore.checkpoint(model, x * 2, store=store)
+    with _from_disk(store):
+        y.sum().backward(inputs=[x])
     assert torch.equal(x.grad, expected)
     assert all(p.grad is None for p in model.parameters())
 
@@ -118,7 +132,7 @@ def test_selective_checkpointing_with_context_fn(store_factory: StoreFactory) ->
     ):
         torch.manual_seed(5)
         y = tierstore.checkpoint(model, x * 2, store=store, context_fn=context_fn)
-        with _CountOps(torch.ops.aten.addmm.default) as count:
+        with _from_disk(store), _CountOps(torch.ops.aten.addmm.default) as count:
             y.sum().backward()
         runs[name] = count.calls
         _same(expected, _grads(model, x))
@@ -140,6 +154,7 @@ def test_a_recompute_that_differs_from_the_forward_is_detected(
         return t[:rows].sin().sum() + t.cos().sum()
 
     y = tierstore.checkpoint(shifty, x * 1, store=store)
+    wait_for(lambda: settled(store))
     with pytest.raises(CheckpointError, match="different metadata"):
         y.backward()
     calls[0] = 0
@@ -159,7 +174,8 @@ def test_a_parameter_used_inside_and_outside_fires_its_hook_once(
     lin.weight.register_hook(lambda g: fired.append(g) or None)
     x = _input()
     out = tierstore.checkpoint(lin, x * 1, store=store) + lin(x * 3)
-    out.sum().backward()
+    with _from_disk(store):
+        out.sum().backward()
     assert len(fired) == 1  # the reentrant checkpoint fired it twice
     expected = torch.autograd.grad((lin(x * 1) + lin(x * 3)).sum(), lin.weight)[0]
     assert torch.equal(fired[0], expected)
@@ -189,6 +205,7 @@ def test_an_input_written_in_place_after_the_forward_raises(store_factory: Store
     y = tierstore.checkpoint(torch.exp, h, store=store)
     with torch.no_grad():
         h.add_(1)
+    wait_for(lambda: settled(store))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
 
@@ -204,7 +221,9 @@ def test_checkpoint_sequential_and_nested_checkpoints(store_factory: StoreFactor
     layers.zero_grad()
     x.grad = None
     torch.manual_seed(9)
-    tierstore.checkpoint_sequential(layers, 3, x * 1, store=store).sum().backward()
+    y = tierstore.checkpoint_sequential(layers, 3, x * 1, store=store)
+    with _from_disk(store):
+        y.sum().backward()
     _same(expected, _grads(layers, x))
     # torch's own checkpoint_sequential, for the same split, agrees.
     layers.zero_grad()
@@ -221,7 +240,9 @@ def test_checkpoint_sequential_and_nested_checkpoints(store_factory: StoreFactor
     layers.zero_grad()
     x.grad = None
     torch.manual_seed(9)
-    tierstore.checkpoint(outer, x * 1, store=store).sum().backward()
+    y = tierstore.checkpoint(outer, x * 1, store=store)
+    with _from_disk(store):
+        y.sum().backward()
     _same(expected, _grads(layers, x))
     with pytest.raises(ValueError, match="segments=0"):
         tierstore.checkpoint_sequential(layers, 0, x, store=store)
@@ -247,7 +268,8 @@ def test_same_gradients_as_torchs_checkpoint_with_kwargs_and_outputs(
             kwargs["use_reentrant"] = False
         out = run(block, x * 1, **kwargs)
         assert out["note"] == "kept"
-        (out["y"].sum() + out["mean"]).backward()
+        with _from_disk(store) if run is not torch_checkpoint else contextlib.nullcontext():
+            (out["y"].sum() + out["mean"]).backward()
         results.append(_grads(model, x, scale))
         model.zero_grad()
     _same(*results)

@@ -1,8 +1,4 @@
-"""Disk faults under the training adapter: gradients stay bit-exact, errors name the tensor.
-
-Runs once ``offload_activations`` is on the branch (the adapters land separately); until then
-each test skips and says so.
-"""
+"""Disk faults under the training adapter: gradients stay bit-exact, errors name the tensor."""
 
 from __future__ import annotations
 
@@ -22,11 +18,6 @@ from tierstore.testing import audit, install_faults, settled, wait_for
 KiB = 1 << 10
 MakeStore = Callable[..., TieredStore]
 
-offload_activations = getattr(tierstore, "offload_activations", None)
-needs_adapters = pytest.mark.skipif(
-    offload_activations is None, reason="tierstore.offload_activations is not merged here yet"
-)
-
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
@@ -39,15 +30,13 @@ def _grads(model: nn.Module, store: TieredStore | None) -> list[torch.Tensor]:
     if store is None:
         loss = model(x).square().sum()
     else:
-        assert offload_activations is not None
-        with offload_activations(store, min_bytes=0):
+        with tierstore.offload_activations(store, min_bytes=0):
             loss = model(x).square().sum()
         wait_for(lambda: settled(store))
     loss.backward()
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-@needs_adapters
 def test_failing_disk_writes_keep_gradients_bit_exact(
     make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -67,14 +56,12 @@ def test_failing_disk_writes_keep_gradients_bit_exact(
     audit(store)
 
 
-@needs_adapters
 def test_failing_disk_read_in_backward_raises_naming_the_tensor(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
     faulty = install_faults(store)
     model = _model()
     x = torch.randn(256, 128)
-    assert offload_activations is not None
-    with offload_activations(store, min_bytes=0):
+    with tierstore.offload_activations(store, min_bytes=0):
         loss = model(x).square().sum()
     wait_for(lambda: settled(store) and store.stats().disk.entries > 0)
     faulty.fail_reads(errno.EIO)

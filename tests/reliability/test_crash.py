@@ -202,7 +202,8 @@ BLOCKED_PUT = """
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from tierstore.testing import install_faults
     store = tierstore.TieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
-                                  min_bytes=0, max_inflight_bytes="1MiB", timeout=2)
+                                  min_bytes=0, max_inflight_bytes="1MiB", timeout=2,
+                                  io_chunk_bytes="1MiB")
     faulty = install_faults(store)
     faulty.write_gate = threading.Event()  # the disk never answers
     print(store.spill_dirs[0], flush=True)
@@ -243,7 +244,7 @@ ASYNC_EXIT = """
 
     async def main():
         store = tierstore.AsyncTieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
-                                           min_bytes=0)
+                                           min_bytes=0, io_chunk_bytes="1MiB")
         await store.open()
         faulty = install_faults(store)
         faulty.write_delay = 0.3
@@ -275,7 +276,7 @@ DROPPED_SYNC = """
 
     def step():
         store = tierstore.TieredStore(disk_dir={disk_dir!r}, device_bytes=0, host_bytes=0,
-                                      min_bytes=0)
+                                      min_bytes=0, io_chunk_bytes="1MiB")
         hs = [store.put(torch.full((1 << 18 if i % 2 else {big},), float(i))) for i in range(4)]
         print(store.spill_dirs[0], flush=True)
         return hs  # the store itself is dropped, never closed

@@ -23,10 +23,12 @@ import torch
 
 import tierstore
 import tierstore._spilldir as spilldir
-from tierstore import SpillIOError, Tier, TieredStore, TierFullError
+from tierstore import SpillIOError, Tier, TieredStore
 from tierstore._spilldir import PREFIX, sweep_stale
+from tierstore.config import StoreConfig
 from tierstore.core import _disk_room as disk_room
 from tierstore.testing import backdoor_files, install_faults, settled, wait_for
+from tierstore.tiers.raw import SPILL_FILE, RawEngine
 
 MiB = 1 << 20
 MakeStore = Callable[..., TieredStore]
@@ -91,41 +93,28 @@ def test_predictable_spill_dir_name_taken_by_a_symlink_is_not_followed(
     planted_link.unlink()
 
 
-def test_symlinks_planted_at_spill_file_names_are_never_followed(
-    make_store: MakeStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("direct_io", ["off", "auto"])
+@pytest.mark.parametrize("planted", ["link", "file"])
+def test_a_name_planted_at_the_spill_file_is_refused_not_followed(
+    tmp_path: Path, direct_io: str, planted: str
 ) -> None:
-    monkeypatch.setattr(disk_room, "RETRY_SECONDS", 0.01)
     victim = tmp_path / "victim.txt"
     victim.write_bytes(b"keep me")
-    store = make_store(device_bytes=0, host_bytes=0)
-    (spill,) = store.spill_dirs
-    # Plant links at every name an engine might use for the next keys.
-    planted = []
-    for key in range(1, 9):
-        for name in (f"{key:016x}.bin", f"{key}.bin", f"{key:x}", "spill.raw"):
-            p = Path(spill) / name
-            if not os.path.lexists(p):
-                p.symlink_to(victim)
-                planted.append(p)
-    ts = [torch.randn(MiB // 8 + k) for k in range(4)]
-    hs = []
-    for t in ts:
-        # An engine that uses those names refuses them (O_EXCL|O_NOFOLLOW): a write error,
-        # the tensor stays in memory, and the disk tier pauses, so a put may meet TierFullError.
-        for _attempt in range(1000):
-            try:
-                hs.append(store.put(t))
-                break
-            except TierFullError:
-                time.sleep(0.005)
-    wait_for(lambda: settled(store))
-    for h, t in zip(hs, ts, strict=True):
-        assert torch.equal(store.get(h), t)
-    assert victim.read_bytes() == b"keep me", "a spill write followed a planted symlink"
-    assert all(os.path.islink(p) for p in planted if os.path.lexists(p))
-    for p in planted:
-        if os.path.lexists(p):
-            p.unlink()
+    spill = tmp_path / "spill"
+    spill.mkdir(mode=0o700)
+    target = spill / SPILL_FILE
+    if planted == "link":
+        target.symlink_to(victim)
+    else:
+        target.write_bytes(b"theirs")
+    config = StoreConfig.from_env({}, disk_dir=tmp_path, direct_io=direct_io)
+    with pytest.raises(FileExistsError):
+        RawEngine((spill,), config)
+    assert victim.read_bytes() == b"keep me", "the engine followed a planted symlink"
+    if planted == "link":
+        assert target.is_symlink(), "a link that is not ours was removed"
+    else:
+        assert target.read_bytes() == b"theirs", "a file that is not ours was written"
 
 
 def test_stale_sweep_never_follows_a_symlink_named_like_a_spill_dir(

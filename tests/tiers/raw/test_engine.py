@@ -49,7 +49,9 @@ class TestRawEngine(EngineTests):
 
 
 class TestRawEngineStriped(TestRawEngine):
-    """Everything again with two directories, so every size is striped."""
+    """Everything again with two directories: blobs of several chunks (past the suite's
+    64 KiB chunk) are striped over both; smaller ones travel in packs, each pack in one
+    directory, the directories taking turns."""
 
     n_dirs = 2
 
