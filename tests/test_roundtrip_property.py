@@ -1,11 +1,17 @@
 """Property: any view of any storage, at any page position, comes back bit-exact from every tier.
 
 Hypothesis draws a storage of up to 6 MiB that starts anywhere in a page (a multiple of its
-element size), a strided view of it (offset, step, 1-3 dimensions, transposed or not) and a
-dtype, and puts the view into one store per path: device and host tiers, the raw engine with
-O_DIRECT (2 MiB chunks, so big views cross chunk boundaries) and without, two striped
-directories, and zarr. Each get must return the view's exact bytes (NaN payloads included) and
-own exactly them (Note: [What get returns]).
+element size), a strided view of it (offset, step, 1-3 dimensions, transposed or not) or the
+whole storage, and a dtype, and puts it into one store per path: device and host tiers, the
+raw engine with O_DIRECT (2 MiB chunks, so big tensors cross chunk boundaries) and without,
+two striped directories, and zarr. Each get must return the exact bytes (NaN payloads
+included) and own exactly them (Note: [What get returns]).
+
+The store keeps a view of part of a storage as a compact copy (Note: [What get returns]),
+which lands wherever the allocator puts it; only a whole storage reaches the engine at its own
+page position. So half the draws are whole storages, and a fixed grid of whole storages puts
+each size class (packed, at and past the 1 MiB pack limit, several chunks) at the start of a
+page, 64 bytes into one and near its end.
 """
 
 from __future__ import annotations
@@ -50,6 +56,16 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Tiere
         store.close()
 
 
+def _storage(n: int, lead: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` random elements of ``dtype``, owning their whole storage, ``lead`` bytes into a
+    page."""
+    size = torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, lead + n * size + 1, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(buf, dtype=torch.uint8, count=n * size, offset=lead)
+    raw.copy_(torch.randint(0, 256, (n * size,), dtype=torch.uint8))
+    return raw.view(dtype)
+
+
 @st.composite
 def views(draw: st.DrawFn) -> torch.Tensor:
     dtype = draw(st.sampled_from(DTYPES))
@@ -64,10 +80,9 @@ def views(draw: st.DrawFn) -> torch.Tensor:
     )
     n = max(1, nbytes // size)
     lead = draw(st.integers(0, 4095 // size)) * size
-    buf = mmap.mmap(-1, lead + n * size + 1, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(buf, dtype=torch.uint8, count=n * size, offset=lead)
-    raw.copy_(torch.randint(0, 256, (n * size,), dtype=torch.uint8))
-    base = raw.view(dtype)
+    base = _storage(n, lead, dtype)
+    if draw(st.booleans()):
+        return base  # the whole storage: the engine sees it at its own page position
     start = draw(st.integers(0, n - 1))
     step = draw(st.integers(1, 3))
     length = draw(st.integers(1, (n - start + step - 1) // step))
@@ -92,6 +107,20 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def test_any_view_round_trips_bit_exact_through_every_path(
     stores: dict[str, TieredStore], view: torch.Tensor
 ) -> None:
+    _round_trip(stores, view)
+
+
+@pytest.mark.parametrize("lead", [0, 64, 4032])
+@pytest.mark.parametrize("nbytes", [64 << 10, MiB, MiB + 4, 4 * MiB + 4])
+def test_a_whole_storage_at_any_page_position_round_trips(
+    stores: dict[str, TieredStore], nbytes: int, lead: int
+) -> None:
+    t = _storage(nbytes // 4, lead, torch.int32)
+    assert t.data_ptr() % 4096 == lead and t.untyped_storage().nbytes() == nbytes
+    _round_trip(stores, t)
+
+
+def _round_trip(stores: dict[str, TieredStore], view: torch.Tensor) -> None:
     expected = _bytes(view).clone()
     handles = {name: store.put(view) for name, store in stores.items()}
     for store in stores.values():

@@ -290,6 +290,23 @@ def test_read_buffers_are_reused_while_held_rounds_repeat_and_handed_back_after_
     assert pool.mapped_bytes == 0
 
 
+def test_without_prefetching_a_finished_sweep_still_hands_its_buffers_back(
+    make_store: MakeStore,
+) -> None:
+    """Note: [A finished sweep hands its buffers back], with prefetch_bytes=0: no walk runs, so
+    the sweep's end is the get of the oldest entry."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    pool = internals(store).read_pool
+    tensors = [_random((MiB // 2,), torch.float32, seed=20 + i) for i in range(8)]
+    handles = [store.put(t) for t in tensors]
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles) and settled(store))
+    for h, t in zip(reversed(handles), reversed(tensors), strict=True):
+        assert _same_bits(store.get(h), t)
+        store.release(h)
+    assert store.stats().bytes_from_disk == 8 * 2 * MiB
+    assert pool.mapped_bytes == 0
+
+
 def test_tensors_bigger_than_the_prefetch_window_are_prefetched_one_at_a_time(
     make_store: MakeStore,
 ) -> None:

@@ -156,6 +156,8 @@ class TieredStore:
             UnsupportedTensorError: not a plain strided CPU or CUDA tensor.
             TierFullError: no tier has room; nothing was stored.
             StoreClosedError: the store is closed.
+            StoreTimeoutError: the save semaphore stayed full longer than ``timeout`` (the
+                tensor is stored; its handle is lost with the exception, which releases it).
         """
         core = self._live()
         try:
@@ -217,7 +219,15 @@ class TieredStore:
         self._live().release(handle)
 
     def tier_of(self, handle: TensorHandle) -> Tier:
-        """``Tier.DEVICE``, ``Tier.HOST`` or ``Tier.DISK``: where the bytes are now."""
+        """``Tier.DEVICE``, ``Tier.HOST`` or ``Tier.DISK``: where the bytes are now.
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`~tierstore.TensorHandle`.
+            TensorReleasedError: released, or another store's handle.
+            CorruptTensorError, TensorModifiedError: the entry failed (its bytes were
+                damaged on disk, or the tensor was written after ``put``); the error its
+                ``get`` raises.
+        """
         return self._live().tier_of(handle)
 
     def state_of(self, handle: TensorHandle) -> TensorState:

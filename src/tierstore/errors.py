@@ -40,7 +40,11 @@ class CorruptTensorError(TierStoreError, IOError):
 
 
 class SpillIOError(TierStoreError, IOError):
-    """Reading or writing a spilled tensor failed; the message names the tensor."""
+    """Reading a spilled tensor back failed; the message names the tensor and the cause.
+
+    The tensor stays on disk and the next ``get`` reads it again. A failed write raises
+    nothing: the tensor stays in memory, and the store counts the error in its stats.
+    """
 
 
 class TensorModifiedError(TierStoreError, RuntimeError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import subprocess
 import sys
@@ -35,13 +36,13 @@ def turn_checkpointing_off(model: torch.nn.Module) -> None:
     getattr(model, f"{name}_checkpointing_disable")()
 
 
-def tiny_llama(seed: int = 0, dropout: float = 0.1) -> torch.nn.Module:
+def tiny_llama(seed: int = 0, dropout: float = 0.1, layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=64,
@@ -91,6 +92,40 @@ def test_gradients_identical_to_no_checkpointing(store: tierstore.TieredStore) -
     assert stats.puts < 2 * 4
     turn_checkpointing_off(model)
     assert not checkpointing_on(model)
+
+
+def test_every_n_layers_stands_when_the_trainer_turns_checkpointing_on(
+    store: tierstore.TieredStore,
+) -> None:
+    model = tiny_llama(dropout=0.2, layers=4)
+    ids = torch.randint(0, 128, (2, 24))
+    expected = step_grads(model, ids)
+    setter = model._set_gradient_checkpointing
+    if "every_n_layers" not in inspect.signature(setter).parameters:
+        with pytest.raises(ValueError, match="every_n_layers=2"):
+            enable_offloaded_checkpointing(model, store, every_n_layers=2)
+        return
+
+    def checkpointed() -> list[bool]:
+        return [bool(layer.gradient_checkpointing) for layer in model.model.layers]
+
+    enable_offloaded_checkpointing(model, store, every_n_layers=2)
+    assert checkpointed() == [True, False, True, False]
+    # What the Trainer calls when its own switch is on: no layer count of its own.
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed() == [True, False, True, False]
+    if HAS_ACTIVATION_NAMES:
+        model.activation_checkpointing_enable()
+        assert checkpointed() == [True, False, True, False]
+    got = step_grads(model, ids, store)
+    assert len(got) == len(expected) > 0
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    assert store.stats().puts > 0
+    # A count given at enable time wins.
+    model.gradient_checkpointing_enable(every_n_layers=1)
+    assert checkpointed() == [True] * 4
+    turn_checkpointing_off(model)
 
 
 def test_rejects_models_without_checkpointing_support() -> None:

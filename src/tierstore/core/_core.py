@@ -227,8 +227,20 @@ class StoreCore:
         its buffer (Note: [A finished sweep hands its buffers back]): a fetch still running
         may not have taken one yet, and would map a new buffer for what was just unmapped."""
         pool = self.read_pool
-        if pool.mapped_bytes > SWEEP_KEEP_BYTES and self.walk.exhausted and not self.table.fetching:
+        if pool.mapped_bytes > SWEEP_KEEP_BYTES and self._swept() and not self.table.fetching:
             pool.shrink()
+
+    def _swept(self) -> bool:
+        """Whether the last get reached the oldest entry: its walk did, or, with prefetching
+        off (no walk runs), no live entry is older than it."""
+        if self.walk.exhausted:
+            return True
+        cursor, live = self.walk.cursor, self.table.live_keys
+        return (
+            self.config.prefetch_bytes == 0
+            and cursor is not None
+            and (not live or live[0] >= cursor)
+        )
 
     def consume(self, e: Entry) -> None:
         """The caller holds the fetched copy now: the entry returns to its home tier.
@@ -354,9 +366,13 @@ class StoreCore:
         """Where the entry's bytes are: the tier a get would read them from.
 
         Raises:
+            TypeError: ``handle`` is not a :class:`~tierstore.TensorHandle`.
             TensorReleasedError: released, or another store's handle.
-            CorruptTensorError: the entry failed.
+            CorruptTensorError, TensorModifiedError: the entry failed (its bytes were
+                damaged on disk, or the tensor was written after ``put``); the error a
+                ``get`` raises.
         """
+        check_handle(handle)
         with self.lock:
             self.drain_dropped()
             e = self.handles.lookup(self.table.entries, handle)

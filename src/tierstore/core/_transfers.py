@@ -289,7 +289,10 @@ class Transfers:
             if e.prefetched and fut is not None:
                 core.start_fetch(e, fut)
                 return
-            err = SpillIOError(f"reading {e.describe()} back from disk failed: {exc}")
+            err = SpillIOError(
+                f"reading {e.describe()} back from disk failed: {exc}; it stays on disk and "
+                "the next get reads it again (check the disk and the kernel log if this repeats)"
+            )
             err.__cause__ = exc
         e.fetch_future = None
         if fut is not None and not fut.done():

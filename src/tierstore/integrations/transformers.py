@@ -102,16 +102,19 @@ def enable_offloaded_checkpointing(
             "which cannot take a checkpoint function; update the model's code"
         )
     _install(model, store, {}, every_n_layers)
+    chosen = every_n_layers
 
     def enable(
         activation_checkpointing_kwargs: dict[str, Any] | None = None,
-        every_n_layers: int = 1,
+        every_n_layers: int | None = None,
         offload: bool = False,
         **_: Any,
     ) -> None:
         # ``offload`` asks transformers to keep inputs in pinned host memory: the store does.
         del offload
-        _install(model, store, activation_checkpointing_kwargs or {}, every_n_layers)
+        # The Trainer passes no layer count: the one chosen here stands unless a caller asks.
+        n = chosen if every_n_layers is None else every_n_layers
+        _install(model, store, activation_checkpointing_kwargs or {}, n)
         _enable_input_grads(model)
 
     def enable_legacy(

@@ -44,7 +44,8 @@ def wait_for(cond: Callable[[], bool], timeout: float = 15.0, what: str = "condi
 
 
 def settled(store: TieredStore) -> bool:
-    """Nothing is moving between tiers."""
+    """No copy or write down a tier is in flight (``inflight_bytes`` is 0): every tensor put
+    has reached the tier it was headed for. Reads back up are not counted."""
     return store.stats().inflight_bytes == 0
 
 

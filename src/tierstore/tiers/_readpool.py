@@ -117,8 +117,9 @@ def _tensors(
 
 
 class ReadPool:
-    """Page-aligned host buffers, reused once no tensor refers to them; those from 512 KiB to
-    1 MiB are cut from huge-page slabs (Note: [Small buffers share huge pages]).
+    """Page-aligned host buffers, reused once no tensor refers to them; those of 512 KiB and
+    1 MiB (from 512 KiB up, the sizes dividing 2 MiB) are cut from huge-page slabs (Note:
+    [Small buffers share huge pages]).
 
     Args:
         keep_bytes: when a new buffer has to be mapped, free buffers beyond this many bytes

@@ -72,7 +72,7 @@ class RawEngine(DiskEngine):
         fallback = [p for p in self._probes if not p.supported]
         if config.direct_io == "on" and fallback:
             raise ConfigError(
-                f"TIERSTORE_DIRECT_IO='on': {fallback[0].directory!r} refuses O_DIRECT "
+                f"direct_io/TIERSTORE_DIRECT_IO='on': {fallback[0].directory!r} refuses O_DIRECT "
                 f"({fallback[0].reason}); use 'auto' to fall back to buffered I/O there, or "
                 "point TIERSTORE_DISK_DIR at a filesystem that supports it"
             )
@@ -103,7 +103,7 @@ class RawEngine(DiskEngine):
 
     def _detect_direct(self, directory: Path) -> DirectIOProbe:
         if self.config.direct_io == "off":
-            return DirectIOProbe(str(directory), False, "TIERSTORE_DIRECT_IO='off'")
+            return DirectIOProbe(str(directory), False, "direct_io/TIERSTORE_DIRECT_IO='off'")
         return probe_direct_io(directory)
 
     # -- what tests and ``info`` may look at ---------------------------------------------------
