@@ -15,7 +15,7 @@ import torch
 
 from tierstore import TensorModifiedError, TensorState, Tier, TieredStore
 from tierstore.config import StoreConfig
-from tierstore.testing import install_faults, settled, wait_for
+from tierstore.testing import install_faults, internals, settled, wait_for
 from tierstore.tiers._engine import WriteRequest
 from tierstore.tiers.raw import SPILL_FILE, RawEngine
 
@@ -63,6 +63,31 @@ def test_a_storage_freed_before_its_spill_fails_that_tensor_alone(
             assert torch.equal(store.get(h), torch.full((size,), i, dtype=torch.uint8))
     stats = store.stats()
     assert stats.write_errors == 0 and stats.disk_available  # not the disk's fault
+
+
+def test_a_storage_resized_before_its_spill_starts_fails_that_tensor_alone(
+    make_store: MakeStore,
+) -> None:
+    """A 2-D float tensor is spilled through a byte view of its storage, which cannot be made
+    once the storage is resized to 0: that used to kill the whole batch's write task, leaving
+    every tensor of it moving to disk for ever."""
+    store = make_store(device_bytes=0, host_bytes=0)
+    hold = threading.Event()
+    # The loop waits, so every spill below starts after the resize.
+    internals(store).loop.call_soon_threadsafe(lambda: hold.wait(10))
+    try:
+        tensors = [torch.full((256, 1024), float(i)) for i in range(3)]  # 1 MiB each: one batch
+        handles = [store.put(t) for t in tensors]
+        tensors[1].untyped_storage().resize_(0)
+    finally:
+        hold.set()
+    wait_for(lambda: settled(store))
+    with pytest.raises(TensorModifiedError, match=r"resized to 0 bytes"):
+        store.get(handles[1])
+    for i in (0, 2):
+        assert store.tier_of(handles[i]) is Tier.DISK
+        assert torch.equal(store.get(handles[i]), torch.full((256, 1024), float(i)))
+    assert store.stats().write_errors == 0
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -10,6 +10,7 @@ import gc
 import logging
 import statistics
 import threading
+import weakref
 from typing import Any
 
 import psutil
@@ -233,6 +234,35 @@ def test_cuda_tensor_returns_to_its_own_device_index(
 
 
 # -- invariant 5: forwards without backward leak nothing ------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:tierstore. offloading is on:RuntimeWarning")
+@pytest.mark.parametrize("block", ["offload_activations", "no_offload"])
+def test_a_tensor_kept_as_is_does_not_keep_its_graph_alive(
+    store_factory: StoreFactory, block: str
+) -> None:
+    """A pack hook that keeps an op's own output (a tensor too small to store, or one in a
+    ``no_offload`` block) would close a cycle through autograd's C++ objects (the output's
+    grad_fn holds the saved tensor, which holds the grad_fn) that no garbage collection
+    breaks: a graph built and never run back would never be freed."""
+    store = store_factory("disk")
+    x = torch.randn(16, requires_grad=True)
+    with tierstore.offload_activations(store, min_bytes=1 << 20):
+        if block == "no_offload":
+            with tierstore.no_offload():
+                y = (x * 2).exp()  # exp saves its output
+        else:
+            y = (x * 2).exp()  # 64 bytes: below min_bytes, kept as is
+    assert store.stats().puts == 0
+    out = weakref.ref(y)
+    del y
+    gc.collect()
+    assert out() is None, "the graph of a forward never run back is still alive"
+    # And backward still gets its saved output back, gradients as without hooks.
+    with tierstore.offload_activations(store, min_bytes=1 << 20):
+        y = (x * 2).exp()
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(grad, 2 * (x.detach() * 2).exp())
 
 
 def test_eval_no_grad_and_exceptions_leak_nothing(store_factory: StoreFactory) -> None:

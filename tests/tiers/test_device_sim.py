@@ -349,6 +349,34 @@ def test_host_bytes_are_reserved_for_copies_in_flight(env: Env, device: str) -> 
     assert torch.equal(on_host(store.get(h)), want)
 
 
+def test_a_copy_that_fails_because_the_tensor_changed_fails_that_entry(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy to the host that fails because the tensor changed after put (FSDP frees a flat
+    parameter with ``resize_(0)``; here, as the simulator's storages cannot shrink, a write in
+    place) ends the entry with the error a get raises (Note: [Writes after put]). It used to
+    go back to the device and be copied again at once, failing again, for as long as it
+    lived: 1593 tries in a second."""
+    from tierstore.core import _transfers
+
+    t, _ = produced("cuda:0", "contiguous", seed=5)
+    tries = [0]
+
+    async def freed_then_failed(src: torch.Tensor, *args: object, **kwargs: object) -> None:
+        tries[0] += 1
+        src.mul_(1)  # the values stay; the version counter says it was written
+        raise RuntimeError("the copy failed")
+
+    monkeypatch.setattr(_transfers, "copy_to_host", freed_then_failed)
+    store = env.store("host")
+    h = store.put(t)
+    wait_for(lambda: store.state_of(h) is tierstore.TensorState.FAILED)
+    wait_for(lambda: settled(store))
+    with pytest.raises(tierstore.TensorModifiedError, match="written in place"):
+        store.get(h)
+    assert tries[0] == 1
+
+
 def test_an_unlimited_host_tier_pins_what_it_holds(env: Env) -> None:
     """Note: [Pinned as needed, in power-of-two pieces]: a store whose host tier is
     "unlimited" once pinned all of the machine's memory at its first copy (on an H200 that

@@ -13,7 +13,7 @@ __all__ = ["no_offload"]
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
-    return t
+    return t.detach()  # Note: [Kept as is, detached]
 
 
 def no_offload() -> saved_tensors_hooks:

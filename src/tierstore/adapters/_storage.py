@@ -29,6 +29,17 @@ Note: [A DTensor stores its shard]
     check]) watches the DTensor itself, which in-place operations on it bump. A shard, or a
     saved tensor, that is still an ``AsyncCollectiveTensor`` (a collective's result not yet
     waited on) is waited on when saved and comes back as the plain tensor it stands for.
+
+Note: [Kept as is, detached]
+    A saved tensor the store does not take (under ``min_bytes``, a parameter, no room, a
+    ``no_offload`` block) is handed back to autograd detached, never as the tensor the pack
+    hook received. That tensor still carries its ``grad_fn``; when it is its own node's
+    output, keeping it closes a cycle through autograd's C++ objects (the node holds the saved
+    variable, which would hold the tensor, which holds the node) that Python's collector does
+    not see. A graph built and never run back (eval with grad on, an exception mid-forward, a
+    ``retain_graph`` graph dropped) would then never be freed, with every entry it holds.
+    Autograd reattaches the node or the gradient accumulator when it unpacks, so detaching
+    loses nothing; torch's own saved variables keep ``tensor_data()`` for the same reason.
 """
 
 from __future__ import annotations
@@ -226,17 +237,17 @@ class StorageTable:
         if nbytes < min_bytes:
             if nbytes:
                 store.note_skipped(SMALL, nbytes)
-            return t
+            return t.detach()  # Note: [Kept as is, detached]
         if is_parameter(t):
             store.note_skipped(PARAMETER, nbytes)
-            return t
+            return t.detach()  # Note: [Kept as is, detached]
         if unsupported_reason(plain) is not None:
             store.note_skipped(UNSUPPORTED, nbytes)
-            return t
+            return t.detach()  # Note: [Kept as is, detached]
         storage = plain.untyped_storage()
         if storage.nbytes() % plain.element_size():
             store.note_skipped(UNSUPPORTED, nbytes)
-            return t
+            return t.detach()  # Note: [Kept as is, detached]
         ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
         # A DTensor's in-place operations bump its own version, not its shard's (the shard is
         # written below autograd): both must match for the bytes to be the stored ones.
@@ -246,7 +257,7 @@ class StorageTable:
             known = self._by_storage.get(ref.cdata)
         if excluded is not None and not excluded.expired():  # type: ignore[no-untyped-call]
             store.note_skipped(PARAMETER, nbytes)
-            return t
+            return t.detach()  # Note: [Kept as is, detached]
         if known is not None:
             known_ref, known_version, known_stored = known
             stored = known_stored()
@@ -260,10 +271,10 @@ class StorageTable:
         except TierFullError as err:
             store.note_skipped(NO_ROOM, nbytes)
             warn_no_room(store, t, err)
-            return t
+            return t.detach()  # Note: [Kept as is, detached]
         except UnsupportedTensorError:
             store.note_skipped(UNSUPPORTED, nbytes)
-            return t
+            return t.detach()  # Note: [Kept as is, detached]
         del flat
         stored = Stored(store, handle)
         if on_new is not None:

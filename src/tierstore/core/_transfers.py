@@ -16,7 +16,7 @@ import torch
 
 from tierstore._malloc import trim_soon
 from tierstore._state import TERMINAL, TensorState
-from tierstore.core._checks import changed_error
+from tierstore.core._checks import change_of, changed_error
 from tierstore.errors import CorruptTensorError, SpillIOError, TensorModifiedError
 from tierstore.errors import TensorReleasedError as Released
 from tierstore.tiers import WriteRequest
@@ -68,11 +68,13 @@ class Transfers:
             with core.lock:
                 core.semaphore.give(e.nbytes)
                 core.table.host_reserved -= e.nbytes
-                log.error("tierstore: copying %s to host failed: %s", e.describe(), exc)
                 if e.state in TERMINAL:
                     core.table.free_copies(e)
-                else:
+                elif core.table.check_unchanged(e, e.data):
+                    log.error("tierstore: copying %s to host failed: %s", e.describe(), exc)
                     core.table.set_state(e, S.DEVICE)
+                # else: the copy failed because the tensor changed after put (its storage
+                # freed, Note: [Writes after put]); the entry failed with that error, for good.
                 core.cascade()
             return
         with core.lock:
@@ -94,16 +96,30 @@ class Transfers:
         """Write entries to disk, in one engine call (Note: [Batched hand-offs])."""
         core = self._core
         assert core.engine is not None
-        requests = []
+        requests, written = [], []
+        refused: list[tuple[Entry, BaseException]] = []
         for e in entries:
             assert e.host is not None
-            requests.append(WriteRequest(e.key, as_bytes(e.host), e.dtype, e.shape))
+            try:
+                src = as_bytes(e.host)
+            except RuntimeError as exc:
+                # Its storage was resized since put, and the byte view no longer fits in it
+                # (Note: [Writes after put]); the others of the batch go on.
+                refused.append((e, TensorModifiedError(change_of(e, e.host) or str(exc))))
+                continue
+            requests.append(WriteRequest(e.key, src, e.dtype, e.shape))
+            written.append(e)
         t0 = time.perf_counter()
-        outcomes = await core.engine.write_many(requests)
+        outcomes: list[BaseException | None] = []
+        if requests:
+            try:
+                outcomes = await core.engine.write_many(requests)
+            except Exception as err:  # an engine's bug: every entry of the batch must end
+                outcomes = [err] * len(requests)
         with core.lock:
             core.counters.seconds_to_disk += time.perf_counter() - t0
-            for e, exc in zip(entries, outcomes, strict=True):
-                self._spill_ended(e, exc)
+            for e, outcome in [*zip(written, outcomes, strict=True), *refused]:
+                self._spill_ended(e, outcome)
             core.cascade()
             core.plan_prefetch()
         trim_soon()  # Note: [Returning host memory]
