@@ -236,6 +236,31 @@ def test_cuda_tensor_returns_to_its_own_device_index(
 # -- invariant 5: forwards without backward leak nothing ------------------------------------
 
 
+def test_a_record_dying_while_its_table_is_locked_on_the_same_thread_does_not_deadlock(
+    store_factory: StoreFactory,
+) -> None:
+    """A garbage collection can run inside the table's locked section (it allocates the new
+    record) and free an older record, whose callback takes the table's lock again."""
+    from tierstore.adapters._storage import StorageTable
+
+    store = store_factory("host")
+    table = StorageTable()
+    saved = table.offload(store, torch.randn(1024), 0, None)
+    assert len(table) == 1
+    done = threading.Event()
+
+    def drop_while_locked() -> None:
+        nonlocal saved
+        with table._lock:
+            del saved  # the record's last reference: its callback runs here
+        done.set()
+
+    worker = threading.Thread(target=drop_while_locked, daemon=True)
+    worker.start()
+    assert done.wait(10), "the callback deadlocked on the table's lock"
+    assert len(table) == 0
+
+
 @pytest.mark.filterwarnings("ignore:tierstore. offloading is on:RuntimeWarning")
 @pytest.mark.parametrize("block", ["offload_activations", "no_offload"])
 def test_a_tensor_kept_as_is_does_not_keep_its_graph_alive(

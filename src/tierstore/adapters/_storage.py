@@ -199,7 +199,10 @@ class StorageTable:
     __slots__ = ("__weakref__", "_by_storage", "_excluded", "_lock")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a garbage collection set off while this thread holds the lock (by the
+        # allocations of a new record below) can free a Stored, whose weak-reference callback
+        # takes the lock again on the same thread.
+        self._lock = threading.RLock()
         self._by_storage: dict[
             int, tuple[StorageWeakRef, tuple[int, int], weakref.ref[Stored]]
         ] = {}
