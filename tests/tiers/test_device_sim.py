@@ -377,6 +377,38 @@ def test_a_copy_that_fails_because_the_tensor_changed_fails_that_entry(
     assert tries[0] == 1
 
 
+def test_a_failing_copy_of_an_unchanged_tensor_pauses_copies_instead_of_looping(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The entry stays on its device, intact; no copy starts until the pause is over, then
+    the store moves what waited."""
+    from tierstore.core import _transfers
+
+    real_copy = _transfers.copy_to_host
+    tries = [0]
+
+    async def refused(src: torch.Tensor, *args: object, **kwargs: object) -> None:
+        tries[0] += 1
+        raise RuntimeError("pinned and pageable memory both refused")
+
+    monkeypatch.setattr(_transfers, "copy_to_host", refused)
+    monkeypatch.setattr(_transfers, "COPY_RETRY_SECONDS", 0.5)
+    store = env.store("host")
+    made = [produced("cuda:0", "contiguous", seed=10 + i) for i in range(3)]
+    h0 = store.put(made[0][0])
+    assert rests(store, h0) is Tier.DEVICE and tries[0] == 1
+    later = [store.put(t) for t, _ in made[1:]]  # each put runs the cascade: no new copy
+    time.sleep(0.1)
+    assert tries[0] == 1
+    monkeypatch.setattr(_transfers, "copy_to_host", real_copy)
+    time.sleep(0.5)
+    h3 = store.put(produced("cuda:0", "contiguous", seed=13)[0])  # after the pause: all move
+    for h in (h0, *later, h3):
+        assert rests(store, h) is Tier.HOST
+    for h, (_, want) in zip((h0, *later), made, strict=True):
+        assert torch.equal(on_host(store.get(h)), want)
+
+
 def test_an_unlimited_host_tier_pins_what_it_holds(env: Env) -> None:
     """Note: [Pinned as needed, in power-of-two pieces]: a store whose host tier is
     "unlimited" once pinned all of the machine's memory at its first copy (on an H200 that

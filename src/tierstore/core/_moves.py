@@ -45,9 +45,12 @@ def cascade(core: StoreCore, new: Entry | None) -> None:
         semaphore.inflight,
         table.resting_oldest_first(Tier.DEVICE),
     )
+    copies_paused = core.transfers.copies_paused()
     for step in down.steps:
         e = step.entry
         if step.move is Move.COPY:
+            if copies_paused:  # a copy just failed: the oldest stay on their device for now
+                break
             table.set_state(e, S.MOVING_TO_HOST)
             semaphore.take(e.nbytes)
             table.host_reserved += e.nbytes

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from tierstore.core._core import StoreCore
     from tierstore.core._entries import Entry
 
-__all__ = ["POOLED_READ_BYTES", "Transfers"]
+__all__ = ["COPY_RETRY_SECONDS", "POOLED_READ_BYTES", "Transfers"]
 
 log = logging.getLogger("tierstore")
 
@@ -48,11 +48,22 @@ the development VM; a pooled buffer faults once per backward sweep (docs/perform
 "Small tensors")."""
 
 
+COPY_RETRY_SECONDS = 1.0
+"""After a copy to the host fails for an unchanged tensor, no copy starts for this long: the
+entry stays on its device, and a failure that persists is not retried in a loop."""
+
+
 class Transfers:
     """The coroutines that move bytes for one store, and the bookkeeping of their outcomes."""
 
     def __init__(self, core: StoreCore) -> None:
         self._core = core
+        self.copies_paused_until = 0.0
+        """``time.monotonic()`` before which the cascade starts no copy to the host."""
+
+    def copies_paused(self) -> bool:
+        """Whether a recent failed copy to the host holds new ones back (the store's lock held)."""
+        return time.monotonic() < self.copies_paused_until
 
     # ------------------------------------------------------------------ down
 
@@ -71,8 +82,15 @@ class Transfers:
                 if e.state in TERMINAL:
                     core.table.free_copies(e)
                 elif core.table.check_unchanged(e, e.data):
-                    log.error("tierstore: copying %s to host failed: %s", e.describe(), exc)
+                    log.error(
+                        "tierstore: copying %s to host failed: %s; it stays on its device, and "
+                        "no copy to the host starts for %.0fs",
+                        e.describe(),
+                        exc,
+                        COPY_RETRY_SECONDS,
+                    )
                     core.table.set_state(e, S.DEVICE)
+                    self.copies_paused_until = time.monotonic() + COPY_RETRY_SECONDS
                 # else: the copy failed because the tensor changed after put (its storage
                 # freed, Note: [Writes after put]); the entry failed with that error, for good.
                 core.cascade()
