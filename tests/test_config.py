@@ -103,6 +103,16 @@ def test_numbers_out_of_range(var: str, value: str) -> None:
         StoreConfig.from_env({var: value})
 
 
+def test_none_is_no_override_whichever_way_the_config_is_made() -> None:
+    base = StoreConfig.from_env({"TIERSTORE_HOST_BYTES": "64MiB"}, disk_bytes="1GiB")
+    assert (
+        StoreConfig.from_env({"TIERSTORE_HOST_BYTES": "64MiB"}, host_bytes=None).host_bytes
+        == 64 << 20
+    )
+    assert base.replace(host_bytes=None, min_bytes=None) == base
+    assert base.replace(disk_bytes=None).disk_bytes is None  # no cap
+
+
 def test_a_bad_keyword_is_named_as_the_keyword() -> None:
     with pytest.raises(ConfigError, match=r"io_chunk_bytes=5000: must be a multiple of 4096"):
         StoreConfig.from_env({}, io_chunk_bytes=5000)

@@ -291,6 +291,8 @@ class StoreConfig:
         Args:
             env: the environment to read (positional only); ``os.environ`` by default.
             **overrides: field names of this class with a value (text or number); they win.
+                ``None`` is no override (the environment or the default stands), except for
+                ``disk_bytes``, where it means no cap.
 
         Raises:
             ConfigError: an unknown keyword, or a bad value, named with the variable.
@@ -326,13 +328,15 @@ class StoreConfig:
         return cls(**values)  # type: ignore[arg-type]
 
     def replace(self, **changes: object) -> StoreConfig:
-        """A copy with some fields changed, parsed and checked like :meth:`from_env` overrides."""
+        """A copy with some fields changed, parsed and checked like :meth:`from_env` overrides
+        (``None`` changes nothing, except for ``disk_bytes``, where it means no cap)."""
         raw = {f.name: (f.name, getattr(self, f.name)) for f in dataclasses.fields(self)}
         for key, value in changes.items():
             field = ALIASES.get(key, key)
             if field not in raw:
                 raise unknown_setting(key, value)
-            raw[field] = (key, value)
+            if value is not None or field == "disk_bytes":
+                raw[field] = (key, value)
         return StoreConfig._parse(raw)
 
 
