@@ -71,10 +71,24 @@ def test_directories_of_other_users_and_foreign_names_are_left_alone(disk_dir: P
     foreign = disk_dir / "not-ours"
     foreign.mkdir()
     half_made = disk_dir / f"{PREFIX}999999999-deadbeef"  # no lock file, PID gone
-    half_made.mkdir()
+    half_made.mkdir(mode=0o700)
+    # The user's own directories that merely start with the prefix, whatever digits follow:
+    # once read as a dead PID and deleted, or as one too big for kill(), which failed every
+    # start in that directory.
+    users = [
+        disk_dir / f"{PREFIX}20240105",
+        disk_dir / f"{PREFIX}99999999999",
+        disk_dir / f"{PREFIX}123-results",
+        disk_dir / f"{PREFIX}999999998-deadbeef",  # our name, but not private as ours are
+    ]
+    for d in users:
+        d.mkdir(mode=0o755)
+        (d / "keep.txt").write_text("mine")
     removed = sweep_stale(disk_dir)
     assert removed == [half_made]
     assert foreign.is_dir()
+    for d in users:
+        assert (d / "keep.txt").read_text() == "mine", d
 
 
 def test_exit_without_close_removes_the_directory(disk_dir: Path) -> None:

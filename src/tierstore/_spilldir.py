@@ -53,6 +53,8 @@ __all__ = [
 log = logging.getLogger("tierstore")
 
 PREFIX = "tierstore-"
+_OUR_NAME = re.compile(re.escape(PREFIX) + r"(\d{1,10})-[0-9a-f]{8}")
+"""The name of a spill directory: the prefix, the creating process's PID, 8 random hex digits."""
 _LOCK = ".lock"
 _NAME_ATTEMPTS = 16
 # The setting under both its names: either the argument or the variable may have set it.
@@ -247,9 +249,9 @@ class SpillDirectory:
                 try:
                     os.mkdir(self.path, 0o700)
                     break
-                except FileExistsError:
+                except FileExistsError as exc:
                     if attempt == _NAME_ATTEMPTS - 1:
-                        raise
+                        raise self._cannot_create(parent, exc) from None
                 except OSError as exc:
                     raise self._cannot_create(parent, exc) from None
             _registry.track(self)  # from now on, exit and SIGTERM remove it
@@ -315,14 +317,16 @@ def _sweep(parent: Path) -> list[Path]:
         return removed
     uid = os.getuid()
     for name in names:
-        if not name.startswith(PREFIX):
+        # Exactly the names this module makes, private as it makes them: a directory of the
+        # user's own that merely starts with the prefix ("tierstore-results") is never touched.
+        if not _OUR_NAME.fullmatch(name):
             continue
         path = parent / name
         try:
             st = os.lstat(path)
         except OSError:
             continue
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or stat.S_IMODE(st.st_mode) != 0o700:
             continue
         if _is_abandoned(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -343,9 +347,11 @@ def _is_abandoned(path: Path) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return False
-        raise
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            log.warning(
+                "tierstore: cannot tell whether %s is abandoned (%s); leaving it", path, exc
+            )
+        return False
     else:
         return True
     finally:
@@ -353,14 +359,13 @@ def _is_abandoned(path: Path) -> bool:
 
 
 def _pid_alive(name: str) -> bool:
-    try:
-        pid = int(name[len(PREFIX) :].split("-", 1)[0])
-    except ValueError:
+    match = _OUR_NAME.fullmatch(name)
+    if match is None:
         return True
     try:
-        os.kill(pid, 0)
+        os.kill(int(match.group(1)), 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return True
     return True
