@@ -588,6 +588,19 @@ def test_release_during_a_spill_frees_everything(make_store: MakeStore) -> None:
     audit(store)
 
 
+def test_close_waits_for_copies_from_pinned_memory(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pinned pieces go back to torch's cache with the pool at close: copies from them that
+    may still run on a device are waited for first."""
+    store = make_store()
+    pool = internals(store).pinned_pool
+    waited: list[bool] = []
+    monkeypatch.setattr(pool, "synchronize", lambda: waited.append(True))
+    store.close()
+    assert waited == [True]
+
+
 def test_close_removes_spill_directory_and_refuses_calls(
     make_store: MakeStore, caplog: Any
 ) -> None:

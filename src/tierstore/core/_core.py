@@ -443,6 +443,9 @@ class StoreCore:
         with self.lock:
             summary = self._snapshot_locked().summary()
             self.table.drop_all()
+        # Copies up from pinned pieces may still run on the device: the pieces go back to
+        # torch's pinned cache with the pool, and must not be reused before they end.
+        self.pinned.synchronize()
         try:
             if self.disk.engine is not None:
                 await self.disk.engine.close()
