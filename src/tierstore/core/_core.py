@@ -335,7 +335,7 @@ class StoreCore:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise StoreClosedError("this tierstore store is closed; create a new TieredStore")
+            raise StoreClosedError("this store is closed; create a new one")
 
     # ------------------------------------------------------------------ queries
 
