@@ -222,10 +222,11 @@ class StorageTable:
         min_bytes: int,
         on_new: Callable[[Stored], None] | None = None,
     ) -> Saved | torch.Tensor:
-        """Put ``t``'s storage into ``store`` (once) and return its record, or ``t`` itself.
+        """Put ``t``'s storage into ``store`` (once) and return its record, or ``t`` detached.
 
-        ``t`` itself comes back when it is not worth or not possible to move; the reason is
-        counted with ``store.note_skipped``. ``on_new`` is called with each newly stored storage.
+        ``t`` comes back, detached (Note: [Kept as is, detached]), when it is not worth or not
+        possible to move; the reason is counted with ``store.note_skipped``. ``on_new`` is
+        called with each newly stored storage.
         """
         if torch.compiler.is_compiling():
             # Note: [Hooks run eagerly under torch.compile]: never a graph's business.
@@ -236,21 +237,35 @@ class StorageTable:
         plain, spec = unwrap(t)
         if traced_stand_in(plain):
             return t
+        saved = self._stored_or_none(store, t, plain, spec, min_bytes, on_new)
+        return t.detach() if saved is None else saved
+
+    def _stored_or_none(
+        self,
+        store: TieredStore,
+        t: torch.Tensor,
+        plain: torch.Tensor,
+        spec: object,
+        min_bytes: int,
+        on_new: Callable[[Stored], None] | None,
+    ) -> Saved | None:
+        """``t``'s record, its storage put into ``store`` unless already there; None when it
+        stays where it is (the reason counted with ``store.note_skipped``)."""
         nbytes = plain.numel() * plain.element_size()
         if nbytes < min_bytes:
             if nbytes:
                 store.note_skipped(SMALL, nbytes)
-            return t.detach()  # Note: [Kept as is, detached]
+            return None
         if is_parameter(t):
             store.note_skipped(PARAMETER, nbytes)
-            return t.detach()  # Note: [Kept as is, detached]
+            return None
         if unsupported_reason(plain) is not None:
             store.note_skipped(UNSUPPORTED, nbytes)
-            return t.detach()  # Note: [Kept as is, detached]
+            return None
         storage = plain.untyped_storage()
         if storage.nbytes() % plain.element_size():
             store.note_skipped(UNSUPPORTED, nbytes)
-            return t.detach()  # Note: [Kept as is, detached]
+            return None
         ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
         # A DTensor's in-place operations bump its own version, not its shard's (the shard is
         # written below autograd): both must match for the bytes to be the stored ones.
@@ -260,7 +275,7 @@ class StorageTable:
             known = self._by_storage.get(ref.cdata)
         if excluded is not None and not excluded.expired():  # type: ignore[no-untyped-call]
             store.note_skipped(PARAMETER, nbytes)
-            return t.detach()  # Note: [Kept as is, detached]
+            return None
         if known is not None:
             known_ref, known_version, known_stored = known
             stored = known_stored()
@@ -274,10 +289,10 @@ class StorageTable:
         except TierFullError as err:
             store.note_skipped(NO_ROOM, nbytes)
             warn_no_room(store, t, err)
-            return t.detach()  # Note: [Kept as is, detached]
+            return None
         except UnsupportedTensorError:
             store.note_skipped(UNSUPPORTED, nbytes)
-            return t.detach()  # Note: [Kept as is, detached]
+            return None
         del flat
         stored = Stored(store, handle)
         if on_new is not None:
