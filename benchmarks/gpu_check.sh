@@ -12,7 +12,8 @@
 # The steps run in that order, the most telling first, so a lease that runs short loses the least.
 # Logs go to $OUT (default ./gpu-out). Packages the machine lacks can travel as wheels in
 # .whl/ (zarr, numcodecs, donfig, google-crc32c, isal, pytest-asyncio); they are installed
-# into /tmp/site. Each step has its own time limit, so one that hangs leaves the rest to run.
+# into python3's environment. Each step has its own time limit, so one that hangs leaves the
+# rest to run.
 #
 #     bash benchmarks/gpu_check.sh
 set -u
@@ -21,9 +22,14 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
+    # Into python3's own environment: tests start child processes with a PYTHONPATH of their
+    # own, which would hide a --target folder. Where that environment is read-only, /tmp/site.
+    if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        .whl/*.whl; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || exit 1
+        export PYTHONPATH=/tmp/site
+    fi
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 spill=${SPILL_DIR:-/var/tmp}

@@ -29,6 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import tierstore
@@ -90,9 +91,12 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial weights on every rank, before sharding
     vocab = 128
     model = Decoder(vocab, args.dim, args.layers, heads=4)
+    # fully_shard's default mesh is on the accelerator when there is one; this example shards
+    # on the CPU wherever it runs.
+    mesh = init_device_mesh("cpu", (world,))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     overrides: dict[str, object] = {"min_bytes": "64KiB"}
     if args.host_bytes is not None:

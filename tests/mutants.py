@@ -181,7 +181,10 @@ def run(mutant: Mutant | None, pytest_args: list[str], timeout: float) -> dict[s
         if mutant is not None:
             apply(mutant, root)
         env = {**os.environ, "PYTHONPATH": str(root / "src")}
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *pytest_args]
+        # pytest-benchmark, where installed, refuses to run under an xdist worker's environment,
+        # and the suite turns its warning into an error.
+        no_plugins = ["-p", "no:cacheprovider", "-p", "no:benchmark"]
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", *no_plugins, *pytest_args]
         t0 = time.monotonic()
         try:
             proc = subprocess.run(

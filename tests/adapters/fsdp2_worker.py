@@ -45,14 +45,18 @@ class Decoder(TinyDecoder):
 
 
 def fsdp2_grads(mode: str, store: tierstore.TieredStore, steps: int) -> list[torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = Decoder(vocab=97, dim=128, heads=4, layers=2, seq=256, p=0.1)
+    # An explicit CPU mesh: without one, fully_shard shards onto the accelerator when the
+    # machine has one, and two ranks on a one-GPU machine then fail.
+    mesh = init_device_mesh("cpu", (WORLD,))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def through_store(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
