@@ -722,6 +722,67 @@ def test_async_store_refuses_another_loop(disk_dir: Path) -> None:
     assert list(disk_dir.iterdir()) == []
 
 
+async def test_a_closed_async_store_refuses_every_call(disk_dir: Path) -> None:
+    async with tierstore.AsyncTieredStore(disk_dir=disk_dir, min_bytes=0) as store:
+        h = await store.put(torch.ones(4))
+    calls = {
+        "put": lambda: store.put(torch.ones(1)),
+        "get": lambda: store.get(h),
+        "prefetch": lambda: store.prefetch([h]),
+        "release": lambda: store.release(h),
+        "tier_of": lambda: store.tier_of(h),
+        "state_of": lambda: store.state_of(h),
+        "stats": store.stats,
+        "step_stats": store.step_stats,
+        "end_step": store.end_step,
+        "open": store.open,
+    }
+    refused = []
+    for name, call in calls.items():
+        try:
+            await call()
+        except StoreClosedError as e:
+            if "is closed" in str(e):
+                refused.append(name)
+    assert refused == list(calls)
+    await store.close()  # idempotent
+
+
+async def test_a_cancelled_close_goes_on_and_a_second_close_waits_for_it(disk_dir: Path) -> None:
+    store = tierstore.AsyncTieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=0, min_bytes=0, max_inflight_bytes="64MiB"
+    )
+    await store.open()
+    faulty = install_faults(store)
+    faulty.write_delay = 0.3
+    ts = [torch.randn(MiB // 4) for _ in range(4)]  # 1 MiB each: past a small pack
+    hs = [await store.put(t) for t in ts]
+    first = asyncio.ensure_future(store.close())
+    await asyncio.sleep(0.05)  # close is waiting on the slow writes
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert store.closed and list(disk_dir.iterdir()) != []  # not finished yet
+    await store.close()  # waits for the same close, which went on
+    assert list(disk_dir.iterdir()) == []
+    assert faulty.writes == len(hs)  # every write ran to its end, none was cut off
+
+
+def test_close_on_another_loop_is_refused_and_closes_nothing(disk_dir: Path) -> None:
+    store = tierstore.AsyncTieredStore(disk_dir=disk_dir, min_bytes=0)
+    loop = asyncio.new_event_loop()
+    try:
+        h = loop.run_until_complete(store.put(torch.arange(8.0)))
+        with pytest.raises(WrongThreadError, match="close it there"):
+            asyncio.run(store.close())
+        assert not store.closed
+        assert torch.equal(loop.run_until_complete(store.get(h)), torch.arange(8.0))
+        loop.run_until_complete(store.close())
+    finally:
+        loop.close()
+    assert store.closed and list(disk_dir.iterdir()) == []
+
+
 def test_env_var_paths_are_checked(tmp_path: Path) -> None:
     with pytest.raises(tierstore.ConfigError, match="does not exist"):
         TieredStore(disk_dir=tmp_path / "missing")

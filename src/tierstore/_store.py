@@ -81,13 +81,14 @@ class AsyncTieredStore:
         self.config = resolve_config(config, overrides, ("config", "close_timeout"))
         self._core: StoreCore | None = None
         self._closed = False
+        self._closing: asyncio.Task[None] | None = None
 
     def _bound(self) -> StoreCore:
+        if self._closed:
+            raise StoreClosedError("this AsyncTieredStore is closed; create a new one")
         loop = asyncio.get_running_loop()
         core = self._core
         if core is None:
-            if self._closed:
-                raise StoreClosedError("this AsyncTieredStore is closed; create a new one")
             core = self._core = StoreCore(self.config, loop, threading.get_ident())
             _registry.register(self)
         elif core.loop is not loop:
@@ -175,14 +176,31 @@ class AsyncTieredStore:
             self._core.note_skipped(reason, nbytes)
 
     async def close(self) -> None:
-        """Finish or cancel transfers, delete the spill directory; idempotent."""
-        self._closed = True
+        """Finish or cancel transfers, delete the spill directory; idempotent.
+
+        Closing runs as a task of its own: a ``close()`` that is cancelled leaves it running,
+        and calling ``close()`` again waits for the same task (and raises what it raised).
+
+        Raises:
+            WrongThreadError: called on another event loop than the one the store was opened
+                on (nothing is closed then).
+        """
         core = self._core
-        try:
-            if core is not None and core.begin_close():
-                await core.finish_close(self._close_timeout)
-        finally:
+        if core is not None and core.loop is not asyncio.get_running_loop():
+            raise WrongThreadError(
+                "this AsyncTieredStore belongs to the event loop it was opened on; close it "
+                "there (at exit, the interpreter removes its files if it is never closed)"
+            )
+        self._closed = True
+        if core is None:
             _registry.unregister(self)
+            return
+        if core.begin_close():
+            self._closing = core.loop.create_task(core.finish_close(self._close_timeout))
+            self._closing.add_done_callback(lambda _: _registry.unregister(self))
+        if self._closing is not None:
+            # Shielded: cancelling this caller must not cancel the deletion half-way.
+            await asyncio.shield(self._closing)
 
     @property
     def closed(self) -> bool:
@@ -190,9 +208,13 @@ class AsyncTieredStore:
         return self._closed
 
     def _close_at_exit(self) -> None:
-        # The loop may be gone at exit; removing the files needs no loop.
+        # The loop may be gone at exit; removing the files needs no loop. A close that began
+        # and never finished (its loop stopped first) leaves them too.
         core = self._core
-        if core is not None and core.begin_close():
+        if core is None:
+            return
+        unfinished = self._closing is not None and not self._closing.done()
+        if core.begin_close() or unfinished:
             core.disk_tier.remove()
 
     def _reset_after_fork(self) -> None:
