@@ -102,11 +102,14 @@ def test_exit_without_close_removes_the_directory(disk_dir: Path) -> None:
     assert list(disk_dir.iterdir()) == []
 
 
-def test_store_stays_usable_after_fork(disk_dir: Path) -> None:
+@pytest.mark.parametrize("disk_format", ["raw", "zarr"])
+def test_store_stays_usable_after_fork(disk_dir: Path, disk_format: str) -> None:
+    # zarr runs its own event loop, which its at-fork hook restarts in the child; a store that
+    # started inside tierstore's at-fork hook, before zarr's, hung there.
     out = _python(f"""
         import os, torch, tierstore
         store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
-                                      min_bytes=0)
+                                      min_bytes=0, disk_format={disk_format!r})
         parent_h = store.put(torch.arange(1000.0))
         parent_dir = store.spill_dirs[0]
         pid = os.fork()
@@ -133,6 +136,123 @@ def test_store_stays_usable_after_fork(disk_dir: Path) -> None:
         store.close()
     """)
     assert "child 0" in out and "parent dir alive True" in out, out
+    assert list(disk_dir.iterdir()) == []
+
+
+# The child of each fork below runs `_CHILD`; the parent gives it 30 s, then kills it.
+_CHILD = """
+        def child():
+            try:
+                h = store.put(torch.full((1 << 16,), 7.0))
+                ok = torch.equal(store.get(h), torch.full((1 << 16,), 7.0))
+                store.close()
+                os._exit(0 if ok else 3)
+            except BaseException as exc:
+                print("child failed", repr(exc), flush=True)
+                os._exit(2)
+
+        def fork_and_wait(then=lambda: None):
+            pid = os.fork()
+            if pid == 0:
+                child()
+            then()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    return os.waitstatus_to_exitcode(status)
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "hung"
+"""
+
+
+def test_a_fork_while_another_thread_holds_the_registry_lock_leaves_the_child_working(
+    disk_dir: Path,
+) -> None:
+    out = _python(
+        f"""
+        import os, signal, threading, time, torch, tierstore
+        from tierstore import _registry
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
+                                      min_bytes=0)
+        {textwrap.indent(textwrap.dedent(_CHILD), " " * 8).strip()}
+        held, release = threading.Event(), threading.Event()
+        def hold():
+            with _registry._dirs_lock:
+                held.set()
+                release.wait()
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait()
+        print("child", fork_and_wait(release.set))
+        holder.join()
+        store.close()
+        """,
+        env={"PYTHONWARNINGS": "ignore::DeprecationWarning"},
+    )
+    assert "child 0" in out, out
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_a_fork_while_the_parent_directory_is_locked_leaves_neither_side_stuck(
+    disk_dir: Path,
+) -> None:
+    # A sweep (or a start) holds the spill parent's flock in another thread at the fork. The
+    # child's inherited descriptor must not keep that lock alive: the child's own start waits
+    # for it, and the parent's next start too.
+    out = _python(
+        f"""
+        import os, signal, threading, time, torch, tierstore
+        from pathlib import Path
+        from tierstore import _spilldir
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
+                                      min_bytes=0)
+        {textwrap.indent(textwrap.dedent(_CHILD), " " * 8).strip()}
+        held, release = threading.Event(), threading.Event()
+        def sweep_slowly():
+            with _spilldir._parent_locked(Path({str(disk_dir)!r}), sweep=True):
+                held.set()
+                release.wait()
+        sweeper = threading.Thread(target=sweep_slowly)
+        sweeper.start()
+        held.wait()
+        print("child", fork_and_wait(lambda: (time.sleep(0.3), release.set())))
+        sweeper.join()
+        other = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, timeout=20)
+        print("parent starts", other.spill_dirs[0].is_dir())
+        other.close()
+        store.close()
+        """,
+        env={"PYTHONWARNINGS": "ignore::DeprecationWarning"},
+    )
+    assert "child 0" in out and "parent starts True" in out, out
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_one_thing_that_fails_to_reset_after_fork_leaves_the_stores_working(
+    disk_dir: Path,
+) -> None:
+    out = _python(
+        f"""
+        import os, signal, threading, time, torch, tierstore
+        from tierstore import _registry
+        class Unforgettable:
+            def remove(self):
+                pass
+            def forget(self):
+                raise RuntimeError("cannot forget")
+        _registry.track(Unforgettable())
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
+                                      min_bytes=0)
+        {textwrap.indent(textwrap.dedent(_CHILD), " " * 8).strip()}
+        print("child", fork_and_wait())
+        store.close()
+        """,
+        env={"PYTHONWARNINGS": "ignore::DeprecationWarning"},
+    )
+    assert "child 0" in out, out
     assert list(disk_dir.iterdir()) == []
 
 

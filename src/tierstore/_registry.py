@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -34,6 +35,8 @@ class _Removable(Protocol):
     def remove(self) -> None: ...
     def forget(self) -> None: ...
 
+
+log = logging.getLogger("tierstore")
 
 _open: set[_Closable] = set()
 _dirs: set[_Removable] = set()
@@ -82,11 +85,22 @@ def _close_all() -> None:
 
 
 def _after_fork_in_child() -> None:
-    # The parent's directories stay the parent's: forget them before the stores start anew.
-    for d in _tracked():
-        d.forget()
+    global _dirs_lock
+    # Another thread of the parent may have held the lock at the fork; that thread is gone.
+    _dirs_lock = threading.RLock()
+    # The parent's directories stay the parent's: the child forgets them, and each store
+    # starts anew at its first call. One that fails to reset must not leave the rest as they
+    # were, holding the parent's dead loop.
+    for d in list(_dirs):
+        try:
+            d.forget()
+        except Exception:
+            log.exception("tierstore: after fork, could not forget the parent's %r", d)
     for store in list(_open):
-        store._reset_after_fork()
+        try:
+            store._reset_after_fork()
+        except Exception:
+            log.exception("tierstore: after fork, could not reset %r", store)
 
 
 # Note: [Closing at exit]

@@ -204,6 +204,46 @@ def _path_max(path: Path) -> int:
         return 4096
 
 
+# Note: [Locks across fork]
+#     A flock belongs to the open file, which fork shares with the child: a child that inherits
+#     a descriptor through which the parent holds a lock keeps the lock alive after the parent
+#     lets go, until the child closes its copy. A child forked while another thread held the
+#     parent directory's lock (a start or a sweep under way) would then block the parent's
+#     later starts, and its own store, starting at its first call, would wait for itself
+#     forever. So those short-lived descriptors are opened and closed under _held_lock, which
+#     fork waits for, and the child closes its copies at once.
+_held_lock = threading.Lock()
+_held: set[int] = set()
+
+
+def _open_held(path: Path, flags: int) -> int:
+    with _held_lock:
+        fd = os.open(path, flags | os.O_CLOEXEC)
+        _held.add(fd)
+        return fd
+
+
+def _close_held(fd: int) -> None:
+    with _held_lock:
+        _held.discard(fd)
+        os.close(fd)
+
+
+def _close_held_in_child() -> None:
+    for fd in _held:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+    _held_lock.release()
+
+
+os.register_at_fork(
+    before=_held_lock.acquire,
+    after_in_parent=_held_lock.release,
+    after_in_child=_close_held_in_child,
+)
+
+
 @contextlib.contextmanager
 def _parent_locked(parent: Path, *, sweep: bool) -> Iterator[bool]:
     """Hold the parent directory's ``flock``; see Note: [Starts and sweeps take turns].
@@ -213,7 +253,7 @@ def _parent_locked(parent: Path, *, sweep: bool) -> Iterator[bool]:
     start is under way.
     """
     try:
-        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = _open_held(parent, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         yield True
         return
@@ -225,7 +265,7 @@ def _parent_locked(parent: Path, *, sweep: bool) -> Iterator[bool]:
         else:
             yield True
     finally:
-        os.close(fd)  # drops the lock
+        _close_held(fd)  # drops the lock (Note: [Locks across fork])
 
 
 class SpillDirectory:
@@ -338,7 +378,7 @@ def _sweep(parent: Path) -> list[Path]:
 
 def _is_abandoned(path: Path) -> bool:
     try:
-        fd = os.open(path / _LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = _open_held(path / _LOCK, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         # Killed between mkdir and creating the lock: fall back to the PID in the name.
         return not _pid_alive(path.name)
@@ -355,7 +395,7 @@ def _is_abandoned(path: Path) -> bool:
     else:
         return True
     finally:
-        os.close(fd)
+        _close_held(fd)
 
 
 def _pid_alive(name: str) -> bool:

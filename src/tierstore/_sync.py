@@ -75,7 +75,8 @@ class TieredStore:
 
     Every method may be called from any thread except the store's own loop thread (that would
     deadlock and raises ``WrongThreadError``). The store closes at interpreter exit, and after
-    ``os.fork`` the child gets a fresh, empty store under the same object.
+    ``os.fork`` the child gets a fresh, empty store under the same object, started by its
+    first call there.
     """
 
     def __init__(
@@ -123,6 +124,8 @@ class TieredStore:
 
     def _live(self) -> StoreCore:
         core = self._core
+        if core is None and not self._closed:
+            core = self._start_in_child()
         if core is None or self._closed:
             raise StoreClosedError("this TieredStore is closed; create a new one")
         if threading.get_ident() == core.loop_thread:
@@ -328,15 +331,25 @@ class TieredStore:
         self.close()
 
     def _reset_after_fork(self) -> None:
-        # The loop thread did not survive the fork. The parent's entries and spill files stay
-        # the parent's: the child forgets them and starts empty, with its own directory.
+        # Note: [A fresh store after fork]
+        #     The loop thread did not survive the fork. The parent's entries and spill files
+        #     stay the parent's: the child forgets them and starts empty, with its own
+        #     directory, at its first call (_start_in_child), not here in the at-fork hook:
+        #     other libraries reset their own state in at-fork hooks too, in an order we do
+        #     not control, and zarr's, which restarts its event loop, may not have run yet
+        #     (a store on the zarr engine started here hung the child).
         if self._core is not None:
             self._core.forget_after_fork()
         self._core = None
         self._thread = None
         self._start_lock = threading.Lock()
-        if not self._closed:
-            self._start()
+
+    def _start_in_child(self) -> StoreCore | None:
+        # See Note: [A fresh store after fork]. None: closed meanwhile.
+        with self._start_lock:
+            if self._core is None and not self._closed:
+                self._start()
+            return self._core
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
