@@ -76,12 +76,37 @@ def test_info_reports_each_spill_directory(tmp_path: Path) -> None:
         assert d["free_bytes"] > 0 and isinstance(d["o_direct"], bool)
     assert info["cuda"]["available"] in (True, False)
     assert {"python", "torch", "zarr", "numpy"} <= set(info["versions"])
-    assert list(a.iterdir()) == [] and list(b.iterdir()) == []  # the probe cleaned up
+    assert info["engine"]["format"] == "raw" and info["engine"]["io_threads"] == 3
+    assert len(info["engine"]["directories"]) == 2  # one of its own under each parent
+    assert list(a.iterdir()) == [] and list(b.iterdir()) == []  # probe and engine cleaned up
 
     text = _run("info", env={"TIERSTORE_DISK_DIR": str(a)})
     assert text.returncode == 0, text.stderr
     assert f"spill directory {a}:" in text.stdout and "O_DIRECT" in text.stdout
     assert "CUDA available:" in text.stdout and "torch" in text.stdout
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        ({}, "disk engine: raw (io_threads 8, io_chunk_bytes 8.0 MiB, checksum "),
+        ({"TIERSTORE_DISK_FORMAT": "zarr"}, "disk engine: zarr (zarr "),
+        (
+            {"TIERSTORE_CHECKSUM": "none", "TIERSTORE_IO_CHUNK_BYTES": "1MiB"},
+            "1.0 MiB, checksum none",
+        ),
+        ({"TIERSTORE_DISK_BYTES": "0"}, "disk engine: none (the disk tier is off"),
+    ],
+)
+def test_info_shows_what_the_disk_engine_detected_and_leaves_nothing(
+    tmp_path: Path, info: Info, env: dict[str, str], line: str
+) -> None:
+    done = info(env={"TIERSTORE_DISK_DIR": str(tmp_path), **env})
+    assert done.returncode == 0, done.stderr
+    engine_line = next(ln for ln in done.stdout.splitlines() if ln.startswith("disk engine:"))
+    assert line in engine_line, engine_line
+    assert str(tmp_path) not in engine_line  # its directories were temporary; not shown
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_info_names_a_bad_variable(info: Info) -> None:

@@ -163,7 +163,31 @@ def collect_info() -> dict[str, object]:
         },
         "checksum": IMPLEMENTATION if config.checksum == "crc32c" else "none",
         "disk_dirs": [_directory(d) for d in config.disk_dirs],
+        "engine": _engine(config),
     }
+
+
+def _engine(config: StoreConfig) -> dict[str, object] | None:
+    """What the disk engine detected when opened as a store opens it, in spill directories
+    of its own that are removed at once (None when the disk tier is off).
+
+    Raises:
+        ConfigError: a spill directory cannot be made, as a store would raise.
+    """
+    import asyncio
+
+    from tierstore.core._disk_tier import open_disk_tier
+
+    tier = open_disk_tier(config)
+    try:
+        if tier.engine is None:
+            return None
+        try:
+            return tier.engine.describe()
+        finally:
+            asyncio.run(tier.engine.close())
+    finally:
+        tier.remove()
 
 
 def _print(info: dict[str, object]) -> None:
@@ -209,6 +233,21 @@ def _print(info: dict[str, object]) -> None:
         )
         if d["in_ram"]:
             print(f"  warning: {in_ram_message(Path(d['path']), d['in_ram'])}")
+    engine = info["engine"]
+    if not isinstance(engine, dict):
+        print("disk engine: none (the disk tier is off: TIERSTORE_DISK_BYTES=0)")
+        return
+    # The engine's directories were its own, made for this report and removed already.
+    shown = {k: v for k, v in engine.items() if k not in _TEMPORARY_PATHS}
+    details = ", ".join(
+        f"{k} {format_size(v) if k.endswith('_bytes') and isinstance(v, int) else v}"
+        for k, v in shown.items()
+        if k != "format"
+    )
+    print(f"disk engine: {engine.get('format')} ({details})")
+
+
+_TEMPORARY_PATHS = ("directories", "groups", "direct_io", "direct_io_reason")
 
 
 def main(argv: list[str] | None = None) -> int:
