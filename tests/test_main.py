@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -106,6 +107,33 @@ def test_info_shows_what_the_disk_engine_detected_and_leaves_nothing(
     engine_line = next(ln for ln in done.stdout.splitlines() if ln.startswith("disk engine:"))
     assert line in engine_line, engine_line
     assert str(tmp_path) not in engine_line  # its directories were temporary; not shown
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_info_still_reports_everything_else_when_the_engine_cannot_open(
+    tmp_path: Path, info: Info, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_space(config: object) -> object:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("tierstore.core._disk_tier.open_disk_tier", no_space)
+    done = info(env={"TIERSTORE_DISK_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "disk engine: cannot open ([Errno 28] No space left on device)" in done.stdout
+    assert "torch" in done.stdout and f"spill directory {tmp_path}:" in done.stdout
+
+
+def test_info_can_be_collected_inside_a_running_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIERSTORE_DISK_DIR", str(tmp_path))
+
+    async def in_a_notebook() -> dict[str, object]:
+        return main_module.collect_info()
+
+    facts = asyncio.run(in_a_notebook())
+    engine = facts["engine"]
+    assert isinstance(engine, dict) and engine["format"] == "raw", engine
     assert list(tmp_path.iterdir()) == []
 
 

@@ -231,6 +231,46 @@ def test_a_fork_while_the_parent_directory_is_locked_leaves_neither_side_stuck(
     assert list(disk_dir.iterdir()) == []
 
 
+def test_a_fork_while_the_default_store_is_being_made_leaves_the_child_its_own(
+    disk_dir: Path,
+) -> None:
+    out = _python(
+        f"""
+        import os, signal, threading, time, torch, tierstore
+        from tierstore import _sync
+        store = tierstore.default_store()
+        {textwrap.indent(textwrap.dedent(_CHILD), " " * 8).strip()}
+        def child():  # the default store, through its lock, in the child
+            try:
+                t, mine = torch.full((1 << 16,), 7.0), tierstore.default_store()
+                ok = torch.equal(mine.get(mine.put(t)), t)
+                mine.close()
+                os._exit(0 if ok else 3)
+            except BaseException as exc:
+                print("child failed", repr(exc), flush=True)
+                os._exit(2)
+        held, release = threading.Event(), threading.Event()
+        def hold():
+            with _sync._default_lock:
+                held.set()
+                release.wait()
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait()
+        print("child", fork_and_wait(release.set))
+        holder.join()
+        store.close()
+        """,
+        env={
+            "PYTHONWARNINGS": "ignore::DeprecationWarning",
+            "TIERSTORE_DISK_DIR": str(disk_dir),
+            "TIERSTORE_MIN_BYTES": "0",
+        },
+    )
+    assert "child 0" in out, out
+    assert list(disk_dir.iterdir()) == []
+
+
 def test_one_thing_that_fails_to_reset_after_fork_leaves_the_stores_working(
     disk_dir: Path,
 ) -> None:

@@ -27,6 +27,7 @@ from tierstore import (
     TierFullError,
     UnsupportedTensorError,
     WrongThreadError,
+    _registry,
 )
 from tierstore.testing import FaultyEngine, audit, install_faults, internals, settled, wait_for
 
@@ -773,6 +774,41 @@ async def test_a_cancelled_close_goes_on_and_a_second_close_waits_for_it(disk_di
     await store.close()  # waits for the same close, which went on
     assert list(disk_dir.iterdir()) == []
     assert faulty.writes == len(hs)  # every write ran to its end, none was cut off
+
+
+def test_a_store_whose_loop_has_ended_is_closed_by_the_next_loop(disk_dir: Path) -> None:
+    store = tierstore.AsyncTieredStore(disk_dir=disk_dir, device_bytes=0, host_bytes=0, min_bytes=0)
+
+    async def train() -> None:
+        await store.put(torch.randn(MiB // 4))
+        while (await store.stats()).inflight_bytes:
+            await asyncio.sleep(0.005)
+
+    asyncio.run(train())
+    assert list(disk_dir.iterdir()) != []
+    asyncio.run(store.close())
+    assert store.closed and list(disk_dir.iterdir()) == []
+    assert store not in _registry._open
+
+
+def test_a_close_cut_short_by_its_loop_ending_is_finished_at_exit(disk_dir: Path) -> None:
+    async def main() -> tuple[tierstore.AsyncTieredStore, asyncio.Future[None]]:
+        store = tierstore.AsyncTieredStore(
+            disk_dir=disk_dir, device_bytes=0, host_bytes=0, min_bytes=0
+        )
+        await store.open()
+        install_faults(store).write_delay = 0.5
+        await store.put(torch.randn(MiB // 4))
+        closer = asyncio.ensure_future(store.close())
+        await asyncio.sleep(0.05)
+        return store, closer  # asyncio.run cancels the close still waiting on the slow write
+
+    store, closer = asyncio.run(main())
+    assert closer.cancelled()
+    assert store._closing is not None and store._closing.cancelled()
+    assert store in _registry._open  # so the exit hook still removes its files
+    store._close_at_exit()
+    assert list(disk_dir.iterdir()) == []
 
 
 def test_close_on_another_loop_is_refused_and_closes_nothing(disk_dir: Path) -> None:

@@ -169,23 +169,29 @@ def collect_info() -> dict[str, object]:
 
 def _engine(config: StoreConfig) -> dict[str, object] | None:
     """What the disk engine detected when opened as a store opens it, in spill directories
-    of its own that are removed at once (None when the disk tier is off).
-
-    Raises:
-        ConfigError: a spill directory cannot be made, as a store would raise.
-    """
+    of its own that are removed at once (None when the disk tier is off; ``{"error": ...}``
+    when it cannot open, so that the rest of the report still prints)."""
     import asyncio
+    import concurrent.futures
 
     from tierstore.core._disk_tier import open_disk_tier
+    from tierstore.errors import ConfigError
 
-    tier = open_disk_tier(config)
+    try:
+        tier = open_disk_tier(config)
+    except (ConfigError, OSError) as exc:
+        return {"error": str(exc)}
     try:
         if tier.engine is None:
             return None
+        engine = tier.engine
         try:
-            return tier.engine.describe()
+            return engine.describe()
         finally:
-            asyncio.run(tier.engine.close())
+            # On a thread of its own: collect_info may be called inside a running event loop
+            # (a notebook), where asyncio.run refuses to start.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pool.submit(lambda: asyncio.run(engine.close())).result()
     finally:
         tier.remove()
 
@@ -236,6 +242,9 @@ def _print(info: dict[str, object]) -> None:
     engine = info["engine"]
     if not isinstance(engine, dict):
         print("disk engine: none (the disk tier is off: TIERSTORE_DISK_BYTES=0)")
+        return
+    if "error" in engine:
+        print(f"disk engine: cannot open ({engine['error']})")
         return
     # The engine's directories were its own, made for this report and removed already.
     shown = {k: v for k, v in engine.items() if k not in _TEMPORARY_PATHS}

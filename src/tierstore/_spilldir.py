@@ -297,11 +297,14 @@ class SpillDirectory:
             _registry.track(self)  # from now on, exit and SIGTERM remove it
             try:
                 os.chmod(self.path, 0o700)
-                self._lock_fd = os.open(
-                    self.path / _LOCK,
-                    os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    0o600,
-                )
+                # Under the fork lock, so that a child forked now knows the descriptor and
+                # forget() closes its copy (Note: [Locks across fork]).
+                with _held_lock:
+                    self._lock_fd = os.open(
+                        self.path / _LOCK,
+                        os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        0o600,
+                    )
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BaseException as exc:
                 self.forget()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from tierstore._stats import StepStats, StoreStats
 
 __all__ = ["AsyncTieredStore", "resolve_config"]
+
+log = logging.getLogger("tierstore")
 
 
 def resolve_config(
@@ -181,12 +184,17 @@ class AsyncTieredStore:
         Closing runs as a task of its own: a ``close()`` that is cancelled leaves it running,
         and calling ``close()`` again waits for the same task (and raises what it raised).
 
+        Once the loop the store was opened on has closed (``asyncio.run(train(store))``
+        then ``asyncio.run(store.close())``), the running loop closes it: nothing can be in
+        flight on a closed loop.
+
         Raises:
             WrongThreadError: called on another event loop than the one the store was opened
-                on (nothing is closed then).
+                on while that loop is still open (nothing is closed then).
         """
         core = self._core
-        if core is not None and core.loop is not asyncio.get_running_loop():
+        running = asyncio.get_running_loop()
+        if core is not None and core.loop is not running and not core.loop.is_closed():
             raise WrongThreadError(
                 "this AsyncTieredStore belongs to the event loop it was opened on; close it "
                 "there (at exit, the interpreter removes its files if it is never closed)"
@@ -196,11 +204,24 @@ class AsyncTieredStore:
             _registry.unregister(self)
             return
         if core.begin_close():
-            self._closing = core.loop.create_task(core.finish_close(self._close_timeout))
-            self._closing.add_done_callback(lambda _: _registry.unregister(self))
+            closing = (
+                core.finish_close(self._close_timeout) if core.loop is running else core.tear_down()
+            )
+            self._closing = running.create_task(closing)
+            self._closing.add_done_callback(self._closed_or_not)
         if self._closing is not None:
             # Shielded: cancelling this caller must not cancel the deletion half-way.
             await asyncio.shield(self._closing)
+
+    def _closed_or_not(self, task: asyncio.Task[None]) -> None:
+        # Only a close that finished leaves nothing for the exit hook (_close_at_exit).
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            _registry.unregister(self)
+        else:
+            log.warning("tierstore: closing an AsyncTieredStore failed: %r", exc)
 
     @property
     def closed(self) -> bool:
@@ -213,7 +234,10 @@ class AsyncTieredStore:
         core = self._core
         if core is None:
             return
-        unfinished = self._closing is not None and not self._closing.done()
+        closing = self._closing
+        unfinished = closing is not None and (
+            not closing.done() or closing.cancelled() or closing.exception() is not None
+        )
         if core.begin_close() or unfinished:
             core.disk_tier.remove()
 

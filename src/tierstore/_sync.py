@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import os
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TypeVar
@@ -338,11 +339,10 @@ class TieredStore:
         #     other libraries reset their own state in at-fork hooks too, in an order we do
         #     not control, and zarr's, which restarts its event loop, may not have run yet
         #     (a store on the zarr engine started here hung the child).
-        if self._core is not None:
-            self._core.forget_after_fork()
-        self._core = None
-        self._thread = None
+        core, self._core, self._thread = self._core, None, None
         self._start_lock = threading.Lock()
+        if core is not None:
+            core.forget_after_fork()
 
     def _start_in_child(self) -> StoreCore | None:
         # See Note: [A fresh store after fork]. None: closed meanwhile.
@@ -358,6 +358,16 @@ class TieredStore:
 
 _default: TieredStore | None = None
 _default_lock = threading.Lock()
+
+
+def _default_lock_after_fork() -> None:
+    # default_store() holds the lock while a store starts; a fork from another thread then
+    # would leave the child's lock held by a thread it does not have.
+    global _default_lock
+    _default_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_default_lock_after_fork)
 
 
 def default_store() -> TieredStore:

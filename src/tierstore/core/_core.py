@@ -440,6 +440,14 @@ class StoreCore:
     async def finish_close(self, timeout: float) -> None:
         """Let in-flight I/O end (cancel it after ``timeout`` seconds), then delete everything."""
         await self.handoff.finish(timeout)
+        await self.tear_down()
+
+    async def tear_down(self) -> None:
+        """Drop every entry, close the engine and delete the spill directories.
+
+        Run on the store's loop by :meth:`finish_close`, or alone on another loop once the
+        store's own loop has closed and nothing can be in flight on it any more.
+        """
         with self.lock:
             summary = self._snapshot_locked().summary()
             self.table.drop_all()
