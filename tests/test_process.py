@@ -139,158 +139,108 @@ def test_store_stays_usable_after_fork(disk_dir: Path, disk_format: str) -> None
     assert list(disk_dir.iterdir()) == []
 
 
-# The child of each fork below runs `_CHILD`; the parent gives it 30 s, then kills it.
-_CHILD = """
-        def child():
-            try:
-                h = store.put(torch.full((1 << 16,), 7.0))
-                ok = torch.equal(store.get(h), torch.full((1 << 16,), 7.0))
-                store.close()
-                os._exit(0 if ok else 3)
-            except BaseException as exc:
-                print("child failed", repr(exc), flush=True)
-                os._exit(2)
+# The forks below: the child puts and gets through the default store (TIERSTORE_DISK_DIR),
+# closes it and exits 0; the parent gives it 30 s, then kills it ("hung").
+_FORK_HARNESS = """
+import os, signal, threading, time, torch, tierstore
+from pathlib import Path
+from tierstore import _registry, _spilldir, _sync
 
-        def fork_and_wait(then=lambda: None):
-            pid = os.fork()
-            if pid == 0:
-                child()
-            then()
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    return os.waitstatus_to_exitcode(status)
-                time.sleep(0.02)
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return "hung"
+def child():
+    try:
+        t, store = torch.full((1 << 16,), 7.0), tierstore.default_store()
+        ok = torch.equal(store.get(store.put(t)), t)
+        store.close()
+        os._exit(0 if ok else 3)
+    except BaseException as exc:
+        print("child failed", repr(exc), flush=True)
+        os._exit(2)
+
+def fork_and_wait(then=lambda: None):
+    pid = os.fork()
+    if pid == 0:
+        child()
+    then()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "hung"
+
+def fork_while_held(lock):
+    # Another thread holds `lock` at the fork and lets go of it 0.3 s later.
+    held, release = threading.Event(), threading.Event()
+    def hold():
+        with lock:
+            held.set()
+            release.wait()
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    code = fork_and_wait(lambda: (time.sleep(0.3), release.set()))
+    holder.join()
+    return code
 """
 
 
-def test_a_fork_while_another_thread_holds_the_registry_lock_leaves_the_child_working(
-    disk_dir: Path,
-) -> None:
-    out = _python(
-        f"""
-        import os, signal, threading, time, torch, tierstore
-        from tierstore import _registry
-        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
-                                      min_bytes=0)
-        {textwrap.indent(textwrap.dedent(_CHILD), " " * 8).strip()}
-        held, release = threading.Event(), threading.Event()
-        def hold():
-            with _registry._dirs_lock:
-                held.set()
-                release.wait()
-        holder = threading.Thread(target=hold)
-        holder.start()
-        held.wait()
-        print("child", fork_and_wait(release.set))
-        holder.join()
-        store.close()
-        """,
-        env={"PYTHONWARNINGS": "ignore::DeprecationWarning"},
-    )
-    assert "child 0" in out, out
-    assert list(disk_dir.iterdir()) == []
+def _fork_script(disk_dir: Path, body: str) -> str:
+    env = {
+        "PYTHONWARNINGS": "ignore::DeprecationWarning",  # fork with threads running
+        "TIERSTORE_DISK_DIR": str(disk_dir),
+        "TIERSTORE_MIN_BYTES": "0",
+    }
+    return _python(_FORK_HARNESS + textwrap.dedent(body), env=env)
 
 
-def test_a_fork_while_the_parent_directory_is_locked_leaves_neither_side_stuck(
-    disk_dir: Path,
+@pytest.mark.parametrize(
+    "lock",
+    [
+        "_registry._dirs_lock",
+        # A sweep (or a start) holds the spill parent's flock: the child's inherited
+        # descriptor must not keep it alive, for the child's start or the parent's next one.
+        "_spilldir._parent_locked(Path(os.environ['TIERSTORE_DISK_DIR']), sweep=True)",
+        "_sync._default_lock",  # default_store() holds it while a store starts
+    ],
+    ids=["registry", "parent-flock", "default-store"],
+)
+def test_a_fork_while_another_thread_holds_a_store_lock_leaves_both_sides_working(
+    disk_dir: Path, lock: str
 ) -> None:
-    # A sweep (or a start) holds the spill parent's flock in another thread at the fork. The
-    # child's inherited descriptor must not keep that lock alive: the child's own start waits
-    # for it, and the parent's next start too.
-    out = _python(
+    out = _fork_script(
+        disk_dir,
         f"""
-        import os, signal, threading, time, torch, tierstore
-        from pathlib import Path
-        from tierstore import _spilldir
-        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
-                                      min_bytes=0)
-        {textwrap.indent(textwrap.dedent(_CHILD), " " * 8).strip()}
-        held, release = threading.Event(), threading.Event()
-        def sweep_slowly():
-            with _spilldir._parent_locked(Path({str(disk_dir)!r}), sweep=True):
-                held.set()
-                release.wait()
-        sweeper = threading.Thread(target=sweep_slowly)
-        sweeper.start()
-        held.wait()
-        print("child", fork_and_wait(lambda: (time.sleep(0.3), release.set())))
-        sweeper.join()
-        other = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, timeout=20)
+        parent = tierstore.default_store()
+        print("child", fork_while_held({lock}))
+        other = tierstore.TieredStore(timeout=20)
         print("parent starts", other.spill_dirs[0].is_dir())
         other.close()
-        store.close()
+        parent.close()
         """,
-        env={"PYTHONWARNINGS": "ignore::DeprecationWarning"},
     )
     assert "child 0" in out and "parent starts True" in out, out
-    assert list(disk_dir.iterdir()) == []
-
-
-def test_a_fork_while_the_default_store_is_being_made_leaves_the_child_its_own(
-    disk_dir: Path,
-) -> None:
-    out = _python(
-        f"""
-        import os, signal, threading, time, torch, tierstore
-        from tierstore import _sync
-        store = tierstore.default_store()
-        {textwrap.indent(textwrap.dedent(_CHILD), " " * 8).strip()}
-        def child():  # the default store, through its lock, in the child
-            try:
-                t, mine = torch.full((1 << 16,), 7.0), tierstore.default_store()
-                ok = torch.equal(mine.get(mine.put(t)), t)
-                mine.close()
-                os._exit(0 if ok else 3)
-            except BaseException as exc:
-                print("child failed", repr(exc), flush=True)
-                os._exit(2)
-        held, release = threading.Event(), threading.Event()
-        def hold():
-            with _sync._default_lock:
-                held.set()
-                release.wait()
-        holder = threading.Thread(target=hold)
-        holder.start()
-        held.wait()
-        print("child", fork_and_wait(release.set))
-        holder.join()
-        store.close()
-        """,
-        env={
-            "PYTHONWARNINGS": "ignore::DeprecationWarning",
-            "TIERSTORE_DISK_DIR": str(disk_dir),
-            "TIERSTORE_MIN_BYTES": "0",
-        },
-    )
-    assert "child 0" in out, out
     assert list(disk_dir.iterdir()) == []
 
 
 def test_one_thing_that_fails_to_reset_after_fork_leaves_the_stores_working(
     disk_dir: Path,
 ) -> None:
-    out = _python(
-        f"""
-        import os, signal, threading, time, torch, tierstore
-        from tierstore import _registry
+    out = _fork_script(
+        disk_dir,
+        """
         class Unforgettable:
             def remove(self):
                 pass
             def forget(self):
                 raise RuntimeError("cannot forget")
         _registry.track(Unforgettable())
-        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
-                                      min_bytes=0)
-        {textwrap.indent(textwrap.dedent(_CHILD), " " * 8).strip()}
+        parent = tierstore.default_store()
         print("child", fork_and_wait())
-        store.close()
+        parent.close()
         """,
-        env={"PYTHONWARNINGS": "ignore::DeprecationWarning"},
     )
     assert "child 0" in out, out
     assert list(disk_dir.iterdir()) == []
