@@ -114,6 +114,85 @@ async def test_a_failed_write_frees_its_extents(
     assert engine.files[0].extents.free_bytes == free
 
 
+@pytest.mark.parametrize("nbytes", [10, 4 * CHUNK], ids=["packed", "several-chunks"])
+async def test_a_buffered_write_that_fails_in_write_back_fails(
+    tmp_path: Path, config: StoreConfig, monkeypatch: pytest.MonkeyPatch, nbytes: int
+) -> None:
+    """With buffered I/O a disk error shows only in the write-back (sync_file_range); the
+    write must fail then, or the store trusts bytes the disk never took."""
+    import ctypes
+
+    from tierstore.tiers.raw import _syscalls
+
+    engine = RawEngine(make_dirs(tmp_path, 1), config.replace(direct_io="off"))
+    try:
+        await engine.write(1, random_bytes(10))
+        free = engine.files[0].extents.free_bytes
+
+        def failing(fd: int, offset: int, n: int, flags: int) -> int:
+            ctypes.set_errno(errno.EIO)
+            return -1
+
+        monkeypatch.setattr(_syscalls, "_SYNC_FILE_RANGE", failing)
+        with pytest.raises(OSError) as info:
+            await engine.write(2, random_bytes(nbytes))
+        assert info.value.errno == errno.EIO
+        assert not engine.holds(2)
+        assert engine.files[0].extents.free_bytes == free
+    finally:
+        await engine.close()
+
+
+async def test_a_quota_on_the_growth_step_falls_back_to_the_exact_size(
+    tmp_path: Path, config: StoreConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EDQUOT, like ENOSPC, on the file's growth step (up to 1 GiB) retries with just the
+    blob's size before the directory counts as full."""
+    engine = RawEngine(make_dirs(tmp_path, 1), config)
+    try:
+        real = os.posix_fallocate
+        asked: list[int] = []
+
+        def quota(fd: int, offset: int, length: int) -> None:
+            asked.append(length)
+            if length >= MiB:  # the growth step (64 MiB at first), not the blob's own size
+                raise OSError(errno.EDQUOT, "Disk quota exceeded")
+            real(fd, offset, length)
+
+        monkeypatch.setattr(os, "posix_fallocate", quota)
+        src = random_bytes(4 * CHUNK, seed=3)
+        await engine.write(1, src)
+        assert asked[0] >= MiB and asked[-1] < MiB
+        out = torch.empty_like(src)
+        await engine.read(1, out)
+        assert torch.equal(out, src)
+    finally:
+        await engine.close()
+
+
+def test_an_engine_that_cannot_map_its_buffers_leaves_nothing_open(
+    tmp_path: Path, config: StoreConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tierstore.tiers.raw import _chunk_io
+
+    made: list[_chunk_io.BounceBuffer] = []
+    real = _chunk_io.BounceBuffer
+
+    def third_fails(size: int) -> _chunk_io.BounceBuffer:
+        if len(made) == 2:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        made.append(real(size))
+        return made[-1]
+
+    monkeypatch.setattr(_chunk_io, "BounceBuffer", third_fails)
+    dirs = make_dirs(tmp_path, 2)
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        RawEngine(dirs, config.replace(io_threads=4))
+    open_files = {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")}
+    assert not any(str(d) in path for d in dirs for path in open_files), open_files
+    assert all(b._map.closed for b in made)
+
+
 async def test_checksum_none_skips_verification(tmp_path: Path, config: StoreConfig) -> None:
     engine = RawEngine(make_dirs(tmp_path, 1), config.replace(checksum="none"))
     try:

@@ -62,10 +62,14 @@ class ChunkIO:
         self._bounce: queue.SimpleQueue[BounceBuffer] = queue.SimpleQueue()
         self._buffers: list[BounceBuffer] = []
         # Packs are assembled in them even without O_DIRECT; untouched pages cost no memory.
-        for _ in range(threads):
-            buf = BounceBuffer(chunk)
-            self._buffers.append(buf)
-            self._bounce.put(buf)
+        try:
+            for _ in range(threads):
+                buf = BounceBuffer(chunk)
+                self._buffers.append(buf)
+                self._bounce.put(buf)
+        except BaseException:
+            self.close()  # those mapped before the one that failed (RLIMIT_AS, overcommit)
+            raise
 
     def close(self) -> None:
         """Unmap the bounce buffers (once no transfer runs)."""

@@ -87,6 +87,9 @@ class RawEngine(DiskEngine):
         try:
             for d, probe in zip(directories, self._probes, strict=True):
                 self._files.append(SpillFile(d, probe.supported))
+            self._io = ChunkIO(
+                config.io_threads, config.io_chunk_bytes, config.checksum == "crc32c"
+            )
         except BaseException:
             self._close_files()
             raise
@@ -96,7 +99,6 @@ class RawEngine(DiskEngine):
         self._leads = all(f.direct for f in self._files)
         self._blobs: dict[int, Blob | PackedBlob] = {}
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io")
-        self._io = ChunkIO(config.io_threads, self._chunk, self._checksum)
         self._striping = Striping(self._files, self._chunk, self._pool)
         self._packs = Packs(self._io, self._striping, self._pool, config.io_threads, self._chunk)
         self._closed = False

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import threading
 from typing import TYPE_CHECKING
 
-from tierstore.tiers._engine import free_space
+from tierstore.tiers._engine import DISK_FULL, free_space
 from tierstore.tiers.raw._extents import Extents
 from tierstore.tiers.raw._syscalls import O_DIRECT, pad
 
@@ -84,7 +83,7 @@ class SpillFile:
                     # A failed fallocate may leave blocks reserved past the old end.
                     with contextlib.suppress(OSError):
                         os.ftruncate(self.fd, old)
-                    if e.errno != errno.ENOSPC or amount == pad(nbytes):
+                    if e.errno not in DISK_FULL or amount == pad(nbytes):
                         raise OSError(
                             e.errno,
                             f"growing {self.path} by {amount} bytes: {e.strerror}",

@@ -80,9 +80,18 @@ def drop_cached(fd: int, offset: int, nbytes: int, *, dirty: bool) -> None:
 
     ``POSIX_FADV_DONTNEED`` only drops clean pages, so freshly written ones are first written
     back with ``sync_file_range`` (on this range only, without a journal commit).
+
+    Raises:
+        OSError: the write-back failed (EIO, ENOSPC on a thin device...). A buffered write
+            reports a disk error only here; the pages would then be dropped unwritten, and
+            the store would trust bytes the disk never took.
     """
+    synced = 0
     if dirty and _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_WAIT_WRITE_WAIT)
+        synced = _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_WAIT_WRITE_WAIT)
+    if synced != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"writing back {nbytes} bytes at {offset}: {os.strerror(err)}")
     os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
 
