@@ -15,15 +15,19 @@ MiB = 1 << 20
 
 
 class Engine:
-    """The two things the room asks an engine."""
+    """The three things the room asks an engine."""
 
     reusable = 0
+    placeable: int | None = None  # None: all of the reusable space
 
     def footprint(self, nbytes: int) -> int:
         return -(-nbytes // 4096) * 4096
 
     def reusable_bytes(self) -> int:
         return self.reusable
+
+    def placeable_bytes(self) -> int:
+        return self.reusable if self.placeable is None else self.placeable
 
 
 class World:
@@ -128,5 +132,18 @@ def test_enospc_keeps_the_tier_off_until_the_space_returns(world: World) -> None
     off, advice = room.advice()
     assert "full until 2.0 MiB are free" in off and "free disk space" in advice
     world.free = 2 * MiB
+    world.now += 1
+    assert room.recheck()
+
+
+def test_after_enospc_only_placeable_space_in_the_files_counts(world: World) -> None:
+    room = _room(world)
+    engine = room.engine
+    world.free = 0
+    engine.reusable, engine.placeable = 8 * MiB, MiB  # type: ignore[union-attr]
+    room.write_failed("tensor #1", 2 * MiB, OSError(errno.ENOSPC, "No space left on device"))
+    world.now += 10 * disk_room.RETRY_SECONDS
+    assert not room.recheck()  # 8 MiB free in pieces, none of 2 MiB
+    engine.placeable = 2 * MiB  # type: ignore[union-attr]
     world.now += 1
     assert room.recheck()

@@ -29,6 +29,7 @@ from tierstore import (
 )
 from tierstore.core import _disk_room as disk_room
 from tierstore.testing import (
+    FaultyEngine,
     audit,
     backdoor_files,
     install_faults,
@@ -145,6 +146,38 @@ def test_enospc_makes_disk_unavailable_until_space_returns(
     wait_for(lambda: settled(store) and store.stats().host.bytes <= MiB, what="spill resumed")
     assert store.stats().disk.entries >= 2
     audit(store)
+    for i, h in enumerate(hs):
+        assert torch.equal(store.get(h), _pattern(MiB // 8, i))
+
+
+class _ScatteredSpace(FaultyEngine):
+    """Holds a GiB of free pieces in its files, none of which a blob fits in."""
+
+    def reusable_bytes(self) -> int:
+        return 1 << 30
+
+    def placeable_bytes(self) -> int:
+        return 0
+
+
+def test_enospc_with_free_space_only_in_pieces_keeps_the_tier_off(
+    make_store: MakeStore, free_space: dict[str, int | None]
+) -> None:
+    store = make_store(device_bytes=0, host_bytes=MiB)
+    faulty = install_faults(store, _ScatteredSpace)
+    faulty.fail_writes(errno.ENOSPC)
+    free_space["free"] = 0
+    hs = [store.put(_pattern(MiB // 8, i)) for i in range(3)]
+    wait_for(lambda: faulty.failed_writes >= 1 and settled(store), what="ENOSPC")
+    attempts = faulty.writes
+    # Well past the retry pause (0.05 s): the scattered pieces do not count as room, so no
+    # write is tried again and the tier stays off.
+    time.sleep(0.2)
+    assert not store.stats().disk_available
+    assert faulty.writes == attempts, "retried a disk whose free space is only in pieces"
+    faulty.heal()
+    free_space["free"] = None  # the filesystem has room again
+    wait_for(lambda: store.stats().disk_available, what="disk available again")
     for i, h in enumerate(hs):
         assert torch.equal(store.get(h), _pattern(MiB // 8, i))
 

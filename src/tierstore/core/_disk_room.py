@@ -5,9 +5,12 @@ Note: [Disk full until space returns]
     A write error pauses the disk tier for ``RETRY_SECONDS``, so a failing disk is not
     hammered. After ENOSPC/EDQUOT, or when the free-space check before a spill finds too
     little room, the tier also stays off until the filesystem really has that room again
-    (free space, plus the engine's reusable extents, plus deletes still pending). While it is
-    off, the store counts no disk room, so ``put`` raises ``TierFullError`` instead of growing
-    the host tier without bound.
+    (free space, plus the engine's reusable extents, plus deletes still pending). After the
+    engine's own write ran out of space, only the biggest piece it can place a blob in
+    counts of its reusable extents (``DiskEngine.placeable_bytes``): free pieces scattered
+    through a spill file, none big enough for the blob, would otherwise end the pause at once
+    and every retry would fail again. While it is off, the store counts no disk room, so
+    ``put`` raises ``TierFullError`` instead of growing the host tier without bound.
 """
 
 from __future__ import annotations
@@ -102,6 +105,9 @@ class DiskRoom:
         free again before the tier is used (Note: [Disk full until space returns])."""
         self.error: str | None = None
         """The last write error other than ENOSPC/EDQUOT, while the tier pauses after it."""
+        # After the engine itself ran out of space, only space a blob can be placed in counts
+        # toward ``need`` (DiskEngine.placeable_bytes), not scattered free pieces of its files.
+        self._engine_was_full = False
 
     def recheck(self) -> bool:
         """End a pause whose time is up and whose space is back; then whether spills may go
@@ -113,11 +119,12 @@ class DiskRoom:
         failed_at = self.failed_at
         if failed_at is not None and self._clock() - failed_at < RETRY_SECONDS:
             return False
-        if self.need and self.free() < self.need:
+        if self.need and self.free(placeable=self._engine_was_full) < self.need:
             return False
         self.failed_at = None
         self.need = 0
         self.error = None
+        self._engine_was_full = False
         if failed_at is not None:
             log.info("tierstore: retrying the disk tier after an earlier failure")
         return True
@@ -148,16 +155,22 @@ class DiskRoom:
         less."""
         self._fs_planned += footprint
 
-    def free(self, *, fresh: bool = False) -> int:
+    def free(self, *, fresh: bool = False, placeable: bool = False) -> int:
         """Free bytes for spilling: the filesystems' free space, less spills planned since it
-        was read, plus the engine's reusable space and deletes still pending."""
+        was read, plus the engine's reusable space (with ``placeable``, only its biggest
+        placeable piece) and deletes still pending."""
         now = self._clock()
         if fresh or self._fs_read_at is None or now - self._fs_read_at > FREE_SPACE_TTL_SECONDS:
             self._fs_free = (self._read_free or free_bytes)(self._dirs)
             self._fs_read_at = now
             self._fs_planned = 0
-        reusable = self.engine.reusable_bytes() if self.engine is not None else 0
-        return self._fs_free - self._fs_planned + reusable + self.deleting
+        engine = self.engine
+        held = (
+            0
+            if engine is None
+            else (engine.placeable_bytes() if placeable else engine.reusable_bytes())
+        )
+        return self._fs_free - self._fs_planned + held + self.deleting
 
     def write_failed(self, what: str, footprint: int, exc: BaseException) -> None:
         """Pause the tier after a failed write of ``what`` (``footprint`` bytes), and say so."""
@@ -166,6 +179,7 @@ class DiskRoom:
         why = errno.errorcode.get(code, "") if code else ""
         if code in (errno.ENOSPC, errno.EDQUOT):
             self.need = max(footprint, 1)
+            self._engine_was_full = True
             until = "until that much space is free again"
         else:
             detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

@@ -99,6 +99,9 @@ class FaultyEngine(DiskEngine, register=False):
     def reusable_bytes(self) -> int:
         return self.inner.reusable_bytes()
 
+    def placeable_bytes(self) -> int:
+        return self.inner.placeable_bytes()
+
     def read_window(self, key: int, nbytes: int) -> tuple[int, int]:
         return self.inner.read_window(key, nbytes)
 

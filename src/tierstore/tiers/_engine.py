@@ -115,6 +115,16 @@ class DiskEngine(abc.ABC):
         """
         return 0
 
+    def placeable_bytes(self) -> int:
+        """The biggest blob this engine can place in space it already holds (default:
+        :meth:`reusable_bytes`).
+
+        Less than :meth:`reusable_bytes` where that space is in pieces: a store whose write
+        failed for want of space waits until the filesystem's free space plus this is enough,
+        not plus scattered pieces no blob fits in.
+        """
+        return self.reusable_bytes()
+
     @abc.abstractmethod
     async def write(
         self,

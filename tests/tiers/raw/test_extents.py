@@ -24,8 +24,11 @@ def test_freed_neighbours_merge_into_one_extent() -> None:
     ext.free(6 * PAGE, 3 * PAGE)
     ext.free(0, 3 * PAGE)
     assert ext.alloc(6 * PAGE) is None  # two holes of three pages
+    assert ext.free_bytes == 6 * PAGE and ext.largest() == 3 * PAGE  # free, not placeable
     ext.free(3 * PAGE, 3 * PAGE)  # the middle one joins both
+    assert ext.largest() == 9 * PAGE
     assert ext.alloc(9 * PAGE) == 0
+    assert ext.largest() == 0
 
 
 def test_growth_adds_free_space_after_the_end() -> None:

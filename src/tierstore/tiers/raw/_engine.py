@@ -168,6 +168,11 @@ class RawEngine(DiskEngine):
         """Free extents inside the spill files (space of deleted blobs, growth not yet used)."""
         return sum(f.extents.free_bytes for f in self._files)
 
+    def placeable_bytes(self) -> int:
+        """The longest free extent in any spill file: each directory's share of a blob is
+        placed in one extent."""
+        return max((f.extents.largest() for f in self._files), default=0)
+
     async def write(self, key: int, src: torch.Tensor, **description: object) -> None:
         """Store ``src`` (1-D contiguous uint8, CPU) under ``key``; see :class:`DiskEngine`.
 

@@ -40,6 +40,11 @@ class Extents:
                     return offset
             return None
 
+    def largest(self) -> int:
+        """The longest free extent: the biggest blob :meth:`alloc` can place now."""
+        with self._lock:
+            return max(self._lengths, default=0)
+
     def free(self, offset: int, nbytes: int) -> None:
         """Give back ``nbytes`` at ``offset``, merged with the free extents around it."""
         with self._lock:
