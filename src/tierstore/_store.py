@@ -215,13 +215,10 @@ class AsyncTieredStore:
 
     def _closed_or_not(self, task: asyncio.Task[None]) -> None:
         # Only a close that finished leaves nothing for the exit hook (_close_at_exit).
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is None:
+        if _finished(task):
             _registry.unregister(self)
-        else:
-            log.warning("tierstore: closing an AsyncTieredStore failed: %r", exc)
+        elif not task.cancelled():
+            log.warning("tierstore: closing an AsyncTieredStore failed: %r", task.exception())
 
     @property
     def closed(self) -> bool:
@@ -234,10 +231,7 @@ class AsyncTieredStore:
         core = self._core
         if core is None:
             return
-        closing = self._closing
-        unfinished = closing is not None and (
-            not closing.done() or closing.cancelled() or closing.exception() is not None
-        )
+        unfinished = self._closing is not None and not _finished(self._closing)
         if core.begin_close() or unfinished:
             core.disk_tier.remove()
 
@@ -246,3 +240,8 @@ class AsyncTieredStore:
             self._core.forget_after_fork()
         self._core = None
         self._closed = True
+
+
+def _finished(task: asyncio.Task[None]) -> bool:
+    """Whether a close task ran to its end without an error."""
+    return task.done() and not task.cancelled() and task.exception() is None

@@ -83,18 +83,16 @@ class RawEngine(DiskEngine):
                 ", ".join(repr(p.directory) for p in fallback),
                 fallback[0].reason,
             )
+        self._chunk = config.io_chunk_bytes
+        self._checksum = config.checksum == "crc32c"
         self._files: list[SpillFile] = []
         try:
             for d, probe in zip(directories, self._probes, strict=True):
                 self._files.append(SpillFile(d, probe.supported))
-            self._io = ChunkIO(
-                config.io_threads, config.io_chunk_bytes, config.checksum == "crc32c"
-            )
+            self._io = ChunkIO(config.io_threads, self._chunk, self._checksum)
         except BaseException:
             self._close_files()
             raise
-        self._chunk = config.io_chunk_bytes
-        self._checksum = config.checksum == "crc32c"
         # Buffered I/O takes any address; only O_DIRECT needs the pages (Note: [A tensor's lead]).
         self._leads = all(f.direct for f in self._files)
         self._blobs: dict[int, Blob | PackedBlob] = {}
