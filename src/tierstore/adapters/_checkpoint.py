@@ -45,7 +45,7 @@ from torch.utils._device import DeviceContext
 
 from tierstore.adapters._common import min_bytes_of, resolve_store
 from tierstore.adapters._reentry import is_running, marked, owner_of, run_directly, unwrap
-from tierstore.adapters._storage import Saved, StorageTable
+from tierstore.adapters._storage import Saved, StorageTable, check_version
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -98,6 +98,20 @@ class _Input:
             return alive  # the object itself, its memory in use anyway; nothing to fetch
         t = self.saved.tensor()  # raises if the input was written in place, as autograd does
         return t.detach().requires_grad_() if self.requires_grad else t
+
+
+class _Held:
+    """An input the store did not take, held as torch's frame holds it, with its version."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def get(self) -> torch.Tensor:
+        check_version(self.tensor, self.version)  # as autograd checks a saved variable
+        return self.tensor
 
 
 _FRAME_READS_INPUTS = hasattr(torch_checkpoint._CheckpointFrame, "get_inputs")
@@ -154,19 +168,20 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
         table = _table_of(self.store)
         saved: list[Any] = []
         for arg in args:
-            packed = (
-                table.offload(self.store, arg, self.min_bytes)
-                if isinstance(arg, torch.Tensor)
-                else None
+            if not isinstance(arg, torch.Tensor):
+                saved.append(arg)
+                continue
+            packed = table.offload(self.store, arg, self.min_bytes)
+            saved.append(
+                _Input(packed, arg.requires_grad) if isinstance(packed, Saved) else _Held(arg)
             )
-            saved.append(_Input(packed, arg.requires_grad) if isinstance(packed, Saved) else arg)
         self.saved_args = saved
 
     def get_inputs(self) -> list[Any]:
         previous = self.prev() if self.prev is not None else None
         if previous is not None:
             previous.prefetch()
-        return [a.get() if isinstance(a, _Input) else a for a in self.saved_args]
+        return [a.get() if isinstance(a, (_Input, _Held)) else a for a in self.saved_args]
 
     def prefetch(self) -> None:
         handles = [a.saved.stored.handle for a in self.saved_args if isinstance(a, _Input)]

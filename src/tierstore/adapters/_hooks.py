@@ -33,7 +33,7 @@ from torch import is_grad_enabled
 from torch.autograd.graph import saved_tensors_hooks
 
 from tierstore.adapters._common import check_min_bytes, min_bytes_of, resolve_store, untraced
-from tierstore.adapters._storage import Saved, StorageTable, Stored
+from tierstore.adapters._storage import Kept, Saved, StorageTable, Stored
 from tierstore.core._steps import counts_since, warn_nothing_offloaded
 from tierstore.errors import TierStoreError
 
@@ -90,7 +90,7 @@ class _Session:
 
     # -- forward ---------------------------------------------------------------------------
 
-    def pack(self, t: torch.Tensor) -> Saved | torch.Tensor:
+    def pack(self, t: torch.Tensor) -> Saved | Kept | torch.Tensor:
         self.saved += 1
         if (
             t.grad_fn is None
@@ -193,7 +193,7 @@ def _stats_at_start(store: TieredStore) -> StoreStats | None:
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    if isinstance(packed, Saved):
+    if isinstance(packed, (Saved, Kept)):
         return packed.tensor()
     assert isinstance(packed, torch.Tensor)
     return packed

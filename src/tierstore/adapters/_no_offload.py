@@ -6,14 +6,16 @@ from typing import TYPE_CHECKING
 
 from torch.autograd.graph import saved_tensors_hooks
 
+from tierstore.adapters._storage import Kept
+
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["no_offload"]
 
 
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    return t.detach()  # Note: [Kept as is, detached]
+def _unpack(kept: Kept) -> torch.Tensor:
+    return kept.tensor()  # raises if written in place since (Note: [Version check])
 
 
 def no_offload() -> saved_tensors_hooks:
@@ -31,4 +33,5 @@ def no_offload() -> saved_tensors_hooks:
         ...     with tierstore.no_offload():
         ...         logits = model.head(hidden)
     """
-    return saved_tensors_hooks(_keep, _keep)
+    # Note: [Kept as is, detached]
+    return saved_tensors_hooks(Kept, _unpack)

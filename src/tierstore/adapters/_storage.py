@@ -40,6 +40,8 @@ Note: [Kept as is, detached]
     ``retain_graph`` graph dropped) would then never be freed, with every entry it holds.
     Autograd reattaches the node or the gradient accumulator when it unpacks, so detaching
     loses nothing; torch's own saved variables keep ``tensor_data()`` for the same reason.
+    The detached tensor shares the saved one's version counter, so the :class:`Kept` record
+    around it still sees a write in place (Note: [Version check]).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from tierstore.adapters._common import (
     unwrap,
     warn_no_room,
 )
-from tierstore.errors import TierFullError, UnsupportedTensorError
+from tierstore.errors import TensorModifiedError, TierFullError, UnsupportedTensorError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -69,7 +71,7 @@ if TYPE_CHECKING:
     from tierstore._handle import TensorHandle
     from tierstore._sync import TieredStore
 
-__all__ = ["Saved", "StorageTable", "Stored", "is_parameter"]
+__all__ = ["Kept", "Saved", "StorageTable", "Stored", "check_version", "is_parameter"]
 
 
 class Stored:
@@ -98,19 +100,61 @@ class Stored:
             return flat
 
 
-class Saved:
-    """A saved tensor that was offloaded: where it sits inside a stored storage.
+def check_version(t: torch.Tensor, expected: int) -> None:
+    """Raise autograd's error if ``t`` was written in place since it was at ``expected``.
+
+    Raises:
+        RuntimeError: ``t._version`` is not ``expected`` (Note: [Version check]).
+    """
+    if t._version != expected:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+            f"expected version {expected} instead (tierstore checks this as autograd does)"
+        )
+
+
+class Kept:
+    """A saved tensor left where it is (Note: [Kept as is, detached]), with its version.
 
     Note: [Version check]
         With saved-tensor hooks installed, autograd no longer checks that a saved tensor was
-        not modified in place before backward; it trusts what unpack returns. So the record
-        keeps the version counter seen at pack and a weak reference to the tensor: if the
-        tensor is still alive at unpack and was written since, unpack raises the error autograd
-        raises without hooks, instead of returning the bytes as they were (disk) or as they
-        are now (a tier that holds the tensor itself).
+        not modified in place before backward; it trusts what unpack returns. So every record
+        the adapters hand autograd checks it at unpack and raises the error autograd raises
+        without hooks, instead of returning the bytes as they are now. A kept tensor is
+        checked through its detached self, which shares the saved tensor's version counter.
+        An offloaded one (:class:`Saved`) is checked three ways, because the saved view
+        object is often a temporary that dies at once (``a[2:6].sin()``): through weak
+        references to it and to its base, while they live; and by the store, which is handed
+        a flat view of the storage that shares the same counter, so every copy it makes and
+        every get of a tensor it holds as is refuses bytes written since ``put``
+        (``TensorModifiedError``). A write after the store's copy reached another tier, with
+        both the view and its base dead, leaves the bytes as they were saved: the gradient is
+        the one of the forward that ran, as with ``save_on_cpu``.
     """
 
+    __slots__ = ("kept", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.kept = t.detach()
+        self.version = t._version
+
+    def tensor(self) -> torch.Tensor:
+        """The kept tensor.
+
+        Raises:
+            RuntimeError: it was modified in place after it was saved.
+        """
+        check_version(self.kept, self.version)
+        return self.kept
+
+
+class Saved:
+    """A saved tensor that was offloaded: where it sits inside a stored storage; Note:
+    [Version check] says how a write in place since is caught."""
+
     __slots__ = (
+        "base",
         "dtensor_spec",
         "dtype",
         "end",
@@ -137,6 +181,8 @@ class Saved:
         # ``t`` itself, a DTensor's wrapper included: in-place operations bump its version.
         self.version = t._version
         self.source = weakref.ref(t)
+        # Views share their base's counter; the base often outlives a temporary view.
+        self.base = None if t._base is None else weakref.ref(t._base)
         # Note: [A DTensor stores its shard]
         self.dtensor_spec = dtensor_spec
 
@@ -144,20 +190,24 @@ class Saved:
         """The saved tensor again: same device, dtype, shape, strides and bytes.
 
         Raises:
-            RuntimeError: the tensor was modified in place after it was saved.
+            RuntimeError: the tensor was modified in place after it was saved; a
+                :class:`~tierstore.TensorModifiedError` when the store found it.
         """
         if torch.compiler.is_compiling():
             # Note: [Hooks run eagerly under torch.compile]: never a graph's business.
             return torch.compiler.disable(Saved.tensor)(self)  # type: ignore[no-untyped-call,no-any-return]
-        source = self.source()
-        if source is not None and source._version != self.version:
-            raise RuntimeError(
+        for ref in (self.source, self.base):
+            watched = ref() if ref is not None else None
+            if watched is not None:
+                check_version(watched, self.version)
+        try:
+            flat = self.stored.flat()
+        except TensorModifiedError as err:
+            raise TensorModifiedError(
                 "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: [{source.type()} {list(source.shape)}] is at version "
-                f"{source._version}; expected version {self.version} instead "
-                "(tierstore.offload_activations checks this as autograd does)"
-            )
-        flat = self.stored.flat()
+                f"inplace operation: a saved {self.dtype} tensor of shape {list(self.size)} "
+                f"was written after it was saved ({err})"
+            ) from err
         with torch.no_grad():
             typed = flat.view(self.dtype)
             if typed.numel() < self.end:
@@ -221,12 +271,13 @@ class StorageTable:
         t: torch.Tensor,
         min_bytes: int,
         on_new: Callable[[Stored], None] | None = None,
-    ) -> Saved | torch.Tensor:
-        """Put ``t``'s storage into ``store`` (once) and return its record, or ``t`` detached.
+    ) -> Saved | Kept | torch.Tensor:
+        """Put ``t``'s storage into ``store`` (once) and return its record, or keep ``t``.
 
-        ``t`` comes back, detached (Note: [Kept as is, detached]), when it is not worth or not
-        possible to move; the reason is counted with ``store.note_skipped``. ``on_new`` is
-        called with each newly stored storage.
+        ``t`` is kept (Note: [Kept as is, detached]) when it is not worth or not possible to
+        move; the reason is counted with ``store.note_skipped``. A stand-in that torch traces
+        with (:func:`traced_stand_in`) comes back as itself. ``on_new`` is called with each
+        newly stored storage.
         """
         if torch.compiler.is_compiling():
             # Note: [Hooks run eagerly under torch.compile]: never a graph's business.
@@ -238,7 +289,7 @@ class StorageTable:
         if traced_stand_in(plain):
             return t
         saved = self._stored_or_none(store, t, plain, spec, min_bytes, on_new)
-        return t.detach() if saved is None else saved
+        return Kept(t) if saved is None else saved
 
     def _stored_or_none(
         self,
@@ -283,7 +334,14 @@ class StorageTable:
             alive = not known_ref.expired()  # type: ignore[no-untyped-call]
             if stored is not None and alive and known_version == version:
                 return Saved(stored, t, plain, spec)
-        flat = torch.empty(0, dtype=torch.uint8, device=plain.device).set_(storage)
+        # The whole storage as bytes, a view of ``plain`` so that it shares its version
+        # counter: the store sees a write in place (Note: [Version check]). ``as_strided``
+        # counts from the storage's start.
+        flat = (
+            plain.detach()
+            .as_strided((storage.nbytes() // plain.element_size(),), (1,), 0)
+            .view(torch.uint8)
+        )
         try:
             handle = store.put(flat)
         except TierFullError as err:
