@@ -141,6 +141,63 @@ def test_selective_checkpointing_with_context_fn(store_factory: StoreFactory) ->
     assert runs["selective"] == 0 < runs["full"]
 
 
+def _pushed() -> tuple[object, object]:
+    """The saved-tensor hooks and the dispatch mode active on this thread now."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return torch._C._autograd._top_saved_tensors_default_hooks(False), _get_current_dispatch_mode()
+
+
+class _Boom(Exception):
+    pass
+
+
+def _fails(t: torch.Tensor) -> torch.Tensor:
+    t.exp()  # something saved before the error, as in a layer that fails halfway
+    raise _Boom("halfway")
+
+
+@pytest.mark.parametrize("context", ["none", "selective"])
+def test_an_error_in_the_function_leaves_no_hooks_or_modes_pushed(
+    store_factory: StoreFactory, context: str
+) -> None:
+    # While the error's traceback lives (an except that retries without the checkpoint), the
+    # checkpoint's hooks and the context_fn's mode must be gone, as after torch's checkpoint.
+    store = store_factory("disk")
+    context_fn: Any = torch.utils.checkpoint.noop_context_fn
+    if context == "selective":
+        if not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+            pytest.skip(f"torch {torch.__version__} has no selective checkpointing")
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        context_fn = functools.partial(
+            create_selective_checkpoint_contexts, lambda *a, **k: CheckpointPolicy.MUST_SAVE
+        )
+    x = _input()
+    before = _pushed()
+    try:
+        tierstore.checkpoint(_fails, x * 2, store=store, context_fn=context_fn)
+    except _Boom as err:
+        assert err.__traceback__ is not None  # the traceback, with the call's frames, lives
+        assert _pushed() == before
+        y = (x * 3).exp()  # and training goes on in the except block, bit-exact
+        y.sum().backward()
+    else:
+        raise AssertionError("the error was swallowed")
+    assert torch.equal(x.grad, 3 * (x.detach() * 3).exp())  # type: ignore[arg-type]
+
+
+def test_a_context_fn_that_swallows_the_error_raises(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+
+    def swallowing() -> tuple[Any, Any]:
+        return contextlib.suppress(_Boom), contextlib.nullcontext()
+
+    with pytest.raises(RuntimeError, match="suppressed an exception"):
+        tierstore.checkpoint(_fails, _input() * 2, store=store, context_fn=swallowing)
+    assert _pushed() == (None, None)
+
+
 def test_a_recompute_that_differs_from_the_forward_is_detected(
     store_factory: StoreFactory,
 ) -> None:

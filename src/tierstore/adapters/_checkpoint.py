@@ -48,7 +48,7 @@ from tierstore.adapters._reentry import is_running, marked, owner_of, run_direct
 from tierstore.adapters._storage import Saved, StorageTable, check_version
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Generator
 
     from tierstore._sync import TieredStore
 
@@ -212,7 +212,7 @@ def _frames(
     determinism_check: str,
     debug: bool,
     early_stop: bool,
-) -> Iterator[None]:
+) -> Generator[None, None, None]:
     """torch's ``_checkpoint_without_reentrant_generator`` with a :class:`_StoreFrame`.
 
     Yields once: the caller runs the function's forward in between.
@@ -389,8 +389,23 @@ def checkpoint(
         determinism_check, debug, early_stop,
     )  # fmt: skip
     next(frames)
-    with marked(key):
-        out = inner(*(bound_args + args), **{**bound_kwargs, **kwargs})
+    try:
+        with marked(key):
+            out = inner(*(bound_args + args), **{**bound_kwargs, **kwargs})
+    except BaseException as err:
+        # The error goes through the frame's contexts, as torch's checkpoint sends it: left
+        # suspended, the generator would keep the checkpoint's saved-tensor hooks and the
+        # ``context_fn`` modes pushed for as long as the error's traceback lives (an
+        # ``except`` that retries, a notebook's last traceback).
+        try:
+            frames.throw(err)
+        except StopIteration as stop:
+            raise RuntimeError(
+                "tierstore.checkpoint: the forward context from context_fn suppressed an "
+                f"exception raised in the checkpointed function ({err!r}); a failed forward "
+                "has no value to return"
+            ) from stop
+        raise
     with contextlib.suppress(StopIteration):
         next(frames)
     return out  # type: ignore[no-any-return]
