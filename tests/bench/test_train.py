@@ -83,6 +83,7 @@ def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
         assert r["peak_rss_bytes"] >= r["rss_before_bytes"] > 0
         assert r["saved_activation_bytes"] > 0
     assert len({r["grads_sha256"] for r in rows}) == 1  # every mode checked, all equal
+    assert len({r["final_state_sha256"] for r in rows}) == 1  # after the timed steps too
     for mode in ("ts_host", "ts_disk", "ts_ckpt"):
         assert by_mode[mode]["offloaded_bytes_per_step"] > 0, mode
     assert by_mode["ts_disk"]["spilled_tensors_per_step"] > 0
@@ -111,6 +112,48 @@ def test_a_mode_with_wrong_gradients_is_refused(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["mode"] for r in rows] == ["torch_ckpt"]
     assert "ts_disk" not in proc.stdout
+
+
+def test_a_mode_wrong_only_in_the_timed_steps_is_refused(tmp_path: Path) -> None:
+    """Corrupt what the store gives back from the second backward on: the checked step is
+    right, the timed steps are not, and the digest of the final state sees it."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import torch\n"
+        "from tierstore.adapters import _storage\n"
+        "backwards = [0]\n"
+        "real_backward = torch.Tensor.backward\n"
+        "def counted(self, *a, **k):\n"
+        "    backwards[0] += 1\n"
+        "    return real_backward(self, *a, **k)\n"
+        "torch.Tensor.backward = counted\n"
+        "real = _storage.Saved.tensor\n"
+        "def shifted(self):\n"
+        "    t = real(self)\n"
+        "    return t + 1 if backwards[0] > 1 and t.is_floating_point() else t\n"
+        "_storage.Saved.tensor = shifted\n"
+    )
+    proc = run_bench(tmp_path, "--modes", "ts_host,torch_ckpt", pythonpath=(str(inject),))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "REFUSED ts_host: its gradients differ" in proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in rows] == ["torch_ckpt"]
+
+
+def test_plain_training_that_is_not_deterministic_stops_the_run(tmp_path: Path) -> None:
+    """Seeds drawn at random in every child: two rounds of plain training disagree, and no
+    mode can be checked against them."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os, torch\n"
+        "real = torch.manual_seed\n"
+        "torch.manual_seed = lambda seed: real(int.from_bytes(os.urandom(4), 'little'))\n"
+    )
+    proc = run_bench(tmp_path, "--modes", "none", "--rounds", "2", pythonpath=(str(inject),))
+    assert proc.returncode != 0
+    assert "plain training gave 2 different grads_sha256 over 2 rounds" in proc.stderr
 
 
 MiB = 1 << 20

@@ -20,10 +20,12 @@ on a shared machine falls on all modes alike; the step time is then the median o
 rounds' steps and the peak the median of the rounds'.
 
 Before it is timed, every mode trains one step from the same weights, batch and dropout seed
-and reports a digest of its loss and gradients. A mode whose digest differs from plain
-training's (``none``, run for the comparison when not asked for) computed wrong values: it is
-not reported, the run says so, and it exits with status 1. Figures taken while values were
-wrong mean nothing.
+and reports a digest of its loss and gradients; after the timed steps it reports a digest of
+the weights and the optimizer's state, which every timed step's gradients shaped. A mode
+whose digests differ from plain training's (``none``, run for the comparison when not asked
+for) computed wrong values: it is not reported, the run says so, and it exits with status 1.
+Figures taken while values were wrong mean nothing. Plain training must give one digest of
+each kind over all rounds, or nothing can be checked against it and the run stops.
 
 Every child runs with MALLOC_MMAP_THRESHOLD_=1048576, so that every mode returns freed
 tensors of 1 MiB and more to the OS at once. Without it glibc would keep them in its heap in
@@ -66,6 +68,31 @@ GPU_PEAK = "cuda_max_allocated_bytes"
 """A CUDA run's peak GPU memory (torch.cuda.max_memory_allocated over the measured steps)."""
 FORWARD_PEAK = "cuda_forward_peak_bytes"
 """A CUDA run's peak GPU memory by the end of forward, the most over the measured steps."""
+
+
+CHECKED_DIGEST = "grads_sha256"
+"""The digest of the checked step's loss and gradients."""
+FINAL_DIGEST = "final_state_sha256"
+"""The digest of the weights and the optimizer's state after the timed steps."""
+
+
+def _bytes_of(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def state_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+    """A digest of ``model``'s weights and ``opt``'s state for each, in parameter order."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(_bytes_of(p))
+        state = opt.state.get(p, {})
+        for key in sorted(state):
+            value = state[key]
+            digest.update(key.encode())
+            digest.update(
+                _bytes_of(value) if isinstance(value, torch.Tensor) else repr(value).encode()
+            )
+    return digest.hexdigest()
 
 
 def store_for(mode: str, args: argparse.Namespace) -> Any:
@@ -146,10 +173,10 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             forward_peaks.append(torch.cuda.max_memory_allocated(device))
         loss.backward()  # type: ignore[no-untyped-call]
         if check:
-            digest.update(loss.detach().cpu().numpy().tobytes())
+            digest.update(_bytes_of(loss))
             for p in model.parameters():
                 if p.grad is not None:
-                    digest.update(p.grad.detach().cpu().contiguous().numpy().tobytes())
+                    digest.update(_bytes_of(p.grad))
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -177,7 +204,7 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "step_s_median": statistics.median(times),
         "step_s": times,
-        "grads_sha256": digest.hexdigest(),
+        CHECKED_DIGEST: digest.hexdigest(),
         # CPU seconds of all the process's threads (store I/O threads included): on a shared
         # machine, less disturbed by other processes than wall time.
         "cpu_s": list(cpu_times),
@@ -188,6 +215,7 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "saved_activation_bytes": saved_activation_bytes(model, ids, args.min_bytes),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "modes", "worker")},
     }
+    result[FINAL_DIGEST] = state_digest(model, opt)
     if device.type == "cuda":
         result[GPU_PEAK] = max(step_peaks)
         result[FORWARD_PEAK] = max(forward_peaks)
@@ -333,8 +361,15 @@ def measure(argv: list[str], progress: Callable[[str], None] | None = None) -> R
                     sys.stderr.write(proc.stderr)
                     raise SystemExit(f"mode {mode} failed (exit {proc.returncode})")
                 runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    reference = {r["grads_sha256"] for r in runs["none"]}
-    wrong = [m for m in modes if {r["grads_sha256"] for r in runs[m]} != reference]
+    keys = (CHECKED_DIGEST, FINAL_DIGEST)
+    for key in keys:
+        reference = {r[key] for r in runs["none"]}
+        if len(reference) != 1:
+            raise SystemExit(
+                f"plain training gave {len(reference)} different {key} over {args.rounds} "
+                "rounds: it is not deterministic here, so no mode can be checked against it"
+            )
+    wrong = [m for m in modes if any({r[k] for r in runs[m]} != {runs["none"][0][k]} for k in keys)]
     return Report([combine(runs[mode]) for mode in modes if mode not in wrong], wrong)
 
 
