@@ -1088,6 +1088,28 @@ def test_copied_handles_are_the_handle_and_pickling_is_refused(make_store: MakeS
     store.release(h)
 
 
+def test_a_copied_store_is_the_store_and_pickling_is_refused(disk_dir: Path) -> None:
+    # Note: [A copy of a store is the store]: a deep copy of a model whose layers
+    # checkpoint into a store raised on the store's lock.
+    import copy
+    import pickle
+
+    for store in (
+        tierstore.TieredStore(disk_dir=disk_dir),
+        tierstore.AsyncTieredStore(disk_dir=disk_dir),
+    ):
+        held = {"store": [store]}
+        assert copy.copy(store) is store and copy.deepcopy(held)["store"][0] is store
+        with pytest.raises(TypeError, match=f"{type(store).__name__} cannot be pickled"):
+            pickle.dumps(held)
+        if isinstance(store, tierstore.TieredStore):
+            store.close()
+    sync = tierstore.TieredStore(disk_dir=disk_dir, min_bytes=0)
+    h = copy.deepcopy(sync).put(torch.ones(4))
+    assert torch.equal(sync.get(h), torch.ones(4))
+    sync.close()
+
+
 @pytest.mark.parametrize("call", ["release", "state_of", "tier_of", "get"])
 def test_what_is_not_a_handle_is_a_type_error(make_store: MakeStore, call: str) -> None:
     store = make_store()

@@ -122,10 +122,68 @@ def test_every_n_layers_stands_when_the_trainer_turns_checkpointing_on(
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
     assert store.stats().puts > 0
-    # A count given at enable time wins.
-    model.gradient_checkpointing_enable(every_n_layers=1)
+    # The Trainer of transformers 5.24 passes 1 when its kwargs name no count: that is no
+    # choice, and the count chosen at install stands. Another count wins.
+    if HAS_ACTIVATION_NAMES:
+        model.activation_checkpointing_enable(None, every_n_layers=1, offload=False)
+        assert checkpointed() == [True, False, True, False]
+    model.gradient_checkpointing_enable(every_n_layers=4)
+    assert checkpointed() == [True, False, False, False]
+    enable_offloaded_checkpointing(model, store, every_n_layers=1)
     assert checkpointed() == [True] * 4
     turn_checkpointing_off(model)
+
+
+def test_every_n_layers_stands_under_a_real_trainers_switch(
+    store: tierstore.TieredStore, tmp_path: Path
+) -> None:
+    model = tiny_llama(layers=4)
+    if "every_n_layers" not in inspect.signature(model._set_gradient_checkpointing).parameters:
+        pytest.skip(f"transformers {transformers.__version__} checkpoints every layer or none")
+    enable_offloaded_checkpointing(model, store, every_n_layers=2)
+    rows = [torch.randint(0, 128, (16,)) for _ in range(2)]
+    name = "activation_checkpointing" if HAS_ACTIVATION_NAMES else "gradient_checkpointing"
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        **{name: True},  # type: ignore[arg-type]
+    )
+    dataset = [{"input_ids": r, "labels": r} for r in rows]
+    transformers.Trainer(model=model, args=args, train_dataset=dataset).train()
+    assert [bool(layer.gradient_checkpointing) for layer in model.model.layers] == [
+        True, False, True, False,
+    ]  # fmt: skip
+    assert store.stats().puts > 0
+
+
+def test_a_deep_copy_checkpoints_into_the_same_store_and_switches_itself(
+    store: tierstore.TieredStore,
+) -> None:
+    import copy
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 24))
+    expected = step_grads(model, ids)
+    enable_offloaded_checkpointing(model, store)
+    twin = copy.deepcopy(model)  # raised on the store's lock
+    assert twin.model.layers[0]._gradient_checkpointing_func.keywords["store"] is store
+    puts = store.stats().puts
+    got = step_grads(twin, ids, store)
+    assert store.stats().puts > puts
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    turn_checkpointing_off(twin)  # the copy's own method: the original stays on
+    assert not checkpointing_on(twin) and checkpointing_on(model)
+    assert "gradient_checkpointing_enable" in vars(model)
+    with pytest.raises(TypeError, match="TieredStore cannot be pickled"):
+        import pickle
+
+        pickle.dumps(store)
 
 
 def test_rejects_models_without_checkpointing_support() -> None:

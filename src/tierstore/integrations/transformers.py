@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tierstore.adapters import checkpoint, no_offload, offload_activations
@@ -73,7 +75,10 @@ def enable_offloaded_checkpointing(
             at the first checkpointed forward.
         every_n_layers: checkpoint every n-th decoder layer only (default 1: all of them); the
             others keep their activations as usual. Needs a transformers version whose
-            ``_set_gradient_checkpointing`` accepts it.
+            ``_set_gradient_checkpointing`` accepts it. It stands when the Trainer turns
+            checkpointing on, which passes 1 when its kwargs name no count; a count other than
+            1 passed to ``model.activation_checkpointing_enable`` replaces it. To go back to
+            every layer, call this function again with 1.
 
     Raises:
         ValueError: the model does not support gradient checkpointing, uses the pre-4.35
@@ -102,41 +107,58 @@ def enable_offloaded_checkpointing(
             "which cannot take a checkpoint function; update the model's code"
         )
     _install(model, store, {}, every_n_layers)
-    chosen = every_n_layers
-
-    def enable(
-        activation_checkpointing_kwargs: dict[str, Any] | None = None,
-        every_n_layers: int | None = None,
-        offload: bool = False,
-        **_: Any,
-    ) -> None:
-        # ``offload`` asks transformers to keep inputs in pinned host memory: the store does.
-        del offload
-        # The Trainer passes no layer count: the one chosen here stands unless a caller asks.
-        n = chosen if every_n_layers is None else every_n_layers
-        _install(model, store, activation_checkpointing_kwargs or {}, n)
-        _enable_input_grads(model)
-
-    def enable_legacy(
-        gradient_checkpointing_kwargs: dict[str, Any] | None = None, **kw: Any
-    ) -> None:
-        enable(gradient_checkpointing_kwargs, **kw)
-
-    def disable() -> None:
-        for name in _METHODS:
-            model.__dict__.pop(name, None)
-        setter(enable=False)
-
-    replacements = {
+    # Bound to the model, so that ``copy.deepcopy(model)`` binds them to the copy (a copied
+    # method is rebound to the copied object; a closure would still name this model).
+    enable = functools.partial(_enable, store=store, chosen=every_n_layers)
+    replacements: dict[str, Callable[..., None]] = {
         "activation_checkpointing_enable": enable,
-        "gradient_checkpointing_enable": enable_legacy,
-        "activation_checkpointing_disable": disable,
-        "gradient_checkpointing_disable": disable,
+        "gradient_checkpointing_enable": functools.partial(_enable_legacy, enable=enable),
+        "activation_checkpointing_disable": _disable,
+        "gradient_checkpointing_disable": _disable,
     }
     for name, fn in replacements.items():
         if hasattr(type(model), name):
             # On the instance, so the class and other models stay as they are.
-            object.__setattr__(model, name, fn)
+            object.__setattr__(model, name, types.MethodType(fn, model))
+
+
+def _enable(
+    model: torch.nn.Module,
+    activation_checkpointing_kwargs: dict[str, Any] | None = None,
+    every_n_layers: int | None = None,
+    offload: bool = False,
+    *,
+    store: TieredStore | None,
+    chosen: int,
+    **_: Any,
+) -> None:
+    """``model.activation_checkpointing_enable`` once tierstore's checkpoint is installed."""
+    # ``offload`` asks transformers to keep inputs in pinned host memory: the store does.
+    del offload
+    # The Trainer passes 1 unless its kwargs name a count (transformers 5.24), or nothing
+    # (5.17): the count chosen at install stands then; another count given here wins.
+    n = chosen if every_n_layers in (None, 1) else every_n_layers
+    _install(model, store, activation_checkpointing_kwargs or {}, n)
+    _enable_input_grads(model)
+
+
+def _enable_legacy(
+    model: torch.nn.Module,
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+    *,
+    enable: Callable[..., None],
+    **kw: Any,
+) -> None:
+    """``model.gradient_checkpointing_enable``: the name before transformers renamed it."""
+    enable(model, gradient_checkpointing_kwargs, **kw)
+
+
+def _disable(model: torch.nn.Module) -> None:
+    """``model.*_checkpointing_disable``: remove the replacements, checkpoint no more."""
+    for name in _METHODS:
+        model.__dict__.pop(name, None)
+    setter: Any = model._set_gradient_checkpointing
+    setter(enable=False)
 
 
 def _install(
