@@ -281,3 +281,56 @@ def test_the_gpu_copy_script_runs_on_the_cpu(tmp_path: Path) -> None:
             assert any(line.startswith(f"{path} {op} ") for line in lines), done.stdout
     assert "disk tier store, all rounds: tierstore: 16 tensors" in done.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_zarr_path_is_fsynced_and_evicted_as_the_file_paths_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """zarr writes through the page cache: unflushed and cached, its figures were the page
+    cache's while every file path paid for fsync and read from the disk."""
+    import torch
+
+    from tierstore.bench import _paths
+    from tierstore.bench._system import PageCache
+
+    synced: list[Path] = []
+    evicted: list[Path] = []
+    real_fsync = _paths._fsync
+    monkeypatch.setattr(_paths, "_fsync", lambda p: (synced.append(p), real_fsync(p)))
+    monkeypatch.setattr(PageCache, "evict", lambda self, paths: evicted.extend(paths))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ctx = _paths.Context(tmp_path / "a", tmp_path / "b", PageCache())
+    tensors = [torch.randn(1 << 18) for _ in range(3)]  # 1 MiB each
+    _paths.PATHS["tierstore-zarr"](ctx, tensors)
+    assert synced and synced == evicted
+    assert all(str(p).startswith(str(tmp_path / "a")) for p in synced)
+    synced.clear()
+    _paths.PATHS["tierstore-raw"](ctx, tensors)  # O_DIRECT, or flushed by the engine itself
+    assert synced == []
+
+
+def test_the_torch_save_path_saves_from_four_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import torch
+
+    from tierstore.bench import _paths
+    from tierstore.bench._system import PageCache
+
+    savers: set[int] = set()
+    barrier = threading.Barrier(4, timeout=10)
+    real_save = torch.save
+
+    def save(t: object, p: object) -> None:
+        savers.add(threading.get_ident())
+        barrier.wait()  # four at once, or this times out
+        real_save(t, p)
+
+    monkeypatch.setattr(torch, "save", save)
+    ctx = _paths.Context(tmp_path, tmp_path, PageCache())
+    tensors = [torch.randn(1024) for _ in range(8)]
+    _paths.PATHS["torch.save"](ctx, tensors)
+    assert len(savers) == 4

@@ -15,12 +15,13 @@ them, then reads them back newest first. The paths, all in one run:
   same tensors again through the same store once the first round is released, as in every
   training step after the first (Note: [First spill and steady state]);
 * ``raw-engine``: the raw engine without the store around it;
-* ``torch.save``: one ``torch.save``/``torch.load`` file per tensor, as axolotl's offloader;
+* ``torch.save``: one ``torch.save``/``torch.load`` file per tensor from 4 threads, as
+  axolotl's offloader saves;
 * ``aiofiles``: whole-file writes and ``readinto`` reads, 16 in flight;
 * ``os``: plain ``os.write``/``os.readv`` of whole files.
 
-Buffered paths are fsync'd and their files evicted from the page cache before reading; the
-output says how. Every path starts with the heap's free memory handed back to the OS, so each
+Buffered paths (the file paths, ``tierstore-zarr``) are fsync'd within their write time and
+their files evicted from the page cache before reading; the output says how. Every path starts with the heap's free memory handed back to the OS, so each
 reads into new memory (Note: [Every path reads into new memory]). GB/s means 10**9 bytes per
 second.
 """
