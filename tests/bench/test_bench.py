@@ -334,3 +334,29 @@ def test_the_torch_save_path_saves_from_four_threads(
     tensors = [torch.randn(1024) for _ in range(8)]
     _paths.PATHS["torch.save"](ctx, tensors)
     assert len(savers) == 4
+
+
+def test_the_headline_shows_the_gpu_peak_when_the_run_was_on_a_gpu(tmp_path: Path) -> None:
+    """On CUDA offloading frees GPU memory and fills host memory: the host's RSS, which the
+    headline showed, grew where the GPU's peak fell."""
+    from tierstore.bench import __main__ as bench
+    from tierstore.bench._plot import plot_summary
+    from tierstore.bench.train import GPU_PEAK, Report
+
+    mib = 1 << 20
+
+    def row(mode: str, rss: int, gpu: int) -> dict[str, object]:
+        return {"mode": mode, "label": mode, "step_s_median": 1.0, "peak_rss_bytes": rss * mib,
+                GPU_PEAK: gpu * mib}  # fmt: skip
+
+    report = Report([row("none", 1000, 800), row("ts_disk", 1300, 300)], [])
+    text = bench.headline([], report)
+    assert "peak GPU MiB" in text and "peak RSS MiB" not in text
+    line = next(x for x in text.splitlines() if x.startswith("ts_disk"))
+    assert line.split()[3:5] == ["300", "500"]  # the GPU's peak, and what it saved
+    host = Report([{k: v for k, v in r.items() if k != GPU_PEAK} for r in report.results], [])
+    assert "peak RSS MiB" in bench.headline([], host)
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "s.png"
+    plot_summary([], report.results, png, {"cpus": 2, "filesystem": "ext4"})
+    assert png.read_bytes()[:4] == b"\x89PNG"

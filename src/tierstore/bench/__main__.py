@@ -29,6 +29,7 @@ from typing import Any
 from tierstore.bench import _disk, train
 from tierstore.bench._plot import PlotUnavailableError, plot_summary, require_matplotlib
 from tierstore.bench._progress import progress_bar
+from tierstore.bench.train import peak_measure
 
 __all__ = ["main"]
 
@@ -179,20 +180,21 @@ def headline(disk: list[dict[str, Any]], report: train.Report, tool: object = No
         )
     results = report.results
     base = next((r for r in results if r["mode"] == "none"), None)
+    peak, peak_name = peak_measure(results)
     lines += [
         "",
         "What offloading saves in a training step (each mode in its own process; "
         "gradients checked against no offloading):",
-        f"{'mode':<28}{'step s':>8}{'x none':>8}{'peak RSS MiB':>14}{'saved MiB':>11}"
+        f"{'mode':<28}{'step s':>8}{'x none':>8}{peak_name:>14}{'saved MiB':>11}"
         f"{'offloaded MiB/step':>20}",
     ]
     for r in results:
         ratio = r["step_s_median"] / base["step_s_median"] if base else float("nan")
-        saved = (base["peak_rss_bytes"] - r["peak_rss_bytes"]) / MiB if base else float("nan")
+        saved = (base[peak] - r[peak]) / MiB if base else float("nan")
         off = r.get("offloaded_bytes_per_step", 0) / MiB
         lines.append(
             f"{r.get('label', r['mode']):<28}{r['step_s_median']:>8.2f}{ratio:>8.2f}"
-            f"{r['peak_rss_bytes'] / MiB:>14.0f}{saved:>11.0f}{off:>20.0f}"
+            f"{r[peak] / MiB:>14.0f}{saved:>11.0f}{off:>20.0f}"
         )
     for mode in report.wrong:
         lines.append(f"{LABELS[mode]:<28}REFUSED: its gradients differ from no offloading")

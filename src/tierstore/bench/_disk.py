@@ -21,9 +21,9 @@ them, then reads them back newest first. The paths, all in one run:
 * ``os``: plain ``os.write``/``os.readv`` of whole files.
 
 Buffered paths (the file paths, ``tierstore-zarr``) are fsync'd within their write time and
-their files evicted from the page cache before reading; the output says how. Every path starts with the heap's free memory handed back to the OS, so each
-reads into new memory (Note: [Every path reads into new memory]). GB/s means 10**9 bytes per
-second.
+their files evicted from the page cache before reading; the output says how. Every path
+starts with the heap's free memory handed back to the OS, so each reads into new memory
+(Note: [Every path reads into new memory]). GB/s means 10**9 bytes per second.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tierstore.bench.train import peak_measure
+
 __all__ = ["PlotUnavailableError", "plot_disk", "plot_summary", "require_matplotlib"]
 
 Row = dict[str, Any]
@@ -54,16 +56,17 @@ def plot_summary(disk: list[Row], train: list[Row], path: Path, machine: dict[st
     step = [float(r["step_s_median"]) for r in train]
     axes[2].barh(ys, step, color="tab:blue")
     axes[2].set_title("training step, seconds (median)")
-    peak = [int(r["peak_rss_bytes"]) / 2**20 for r in train]
+    key, title = peak_measure(train)
+    peak = [int(r[key]) / 2**20 for r in train]
     axes[3].barh(ys, peak, color="tab:orange")
-    axes[3].set_title("peak RSS, MiB (median)")
+    axes[3].set_title(f"{title} (median)")
     for ax in axes[2:]:
         ax.set_yticks(list(ys), names, fontsize=8)
         ax.invert_yaxis()
         ax.grid(True, axis="x", alpha=0.3)
     if base is not None:
         axes[2].axvline(float(base["step_s_median"]), color="grey", ls="--", lw=1)
-        axes[3].axvline(int(base["peak_rss_bytes"]) / 2**20, color="grey", ls="--", lw=1)
+        axes[3].axvline(int(base[key]) / 2**20, color="grey", ls="--", lw=1)
     fig.suptitle(f"tierstore-bench on {machine['cpus']} CPUs, {machine['filesystem']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -60,7 +60,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from tierstore.bench._model import Decoder, PeakRSS, saved_activation_bytes
 
-__all__ = ["MODES", "Report", "main", "measure", "table"]
+__all__ = ["MODES", "Report", "main", "measure", "peak_measure", "table"]
 
 MODES = ("none", "save_on_cpu", "torch_ckpt", "disk_baseline", "ts_host", "ts_disk", "ts_ckpt")
 
@@ -429,6 +429,15 @@ def _strip(argv: list[str], names: tuple[str, ...]) -> list[str]:
     return out
 
 
+def peak_measure(results: list[dict[str, Any]]) -> tuple[str, str]:
+    """The peak that shows what offloading saves, and its column title: the GPU's peak
+    allocation when every result has one (on CUDA, offloading frees GPU memory and fills host
+    memory), else the process's peak RSS."""
+    if results and all(GPU_PEAK in r for r in results):
+        return GPU_PEAK, "peak GPU MiB"
+    return "peak_rss_bytes", "peak RSS MiB"
+
+
 SAVED_AGAINST = {"ts_ckpt": "torch_ckpt"}
 """The mode whose peak a mode's saving is measured against, where not ``none``: the offloaded
 checkpoint moves only block inputs, so what it saves is what torch's checkpoint keeps."""
@@ -445,8 +454,7 @@ def table(results: list[dict[str, Any]]) -> str:
     mib = 1 << 20
     by_mode = {r["mode"]: r for r in results}
     base = by_mode.get("none")
-    peak = GPU_PEAK if results and all(GPU_PEAK in r for r in results) else "peak_rss_bytes"
-    peak_name = "peak GPU MiB" if peak == GPU_PEAK else "peak RSS MiB"
+    peak, peak_name = peak_measure(results)
     forward = peak == GPU_PEAK and all(FORWARD_PEAK in r for r in results)
     head = (
         f"{'mode':<12} {'step s':>8} {'x none':>7} {'CPU s':>7} {'x none':>7} "
