@@ -336,6 +336,7 @@ def test_the_torch_save_path_saves_from_four_threads(
     assert len(savers) == 4
 
 
+@pytest.mark.filterwarnings("ignore:No artists with labels:UserWarning")  # no disk rows
 def test_the_headline_shows_the_gpu_peak_when_the_run_was_on_a_gpu(tmp_path: Path) -> None:
     """On CUDA offloading frees GPU memory and fills host memory: the host's RSS, which the
     headline showed, grew where the GPU's peak fell."""
