@@ -636,6 +636,29 @@ def test_backward_gets_newest_first_and_prefetches_ahead(store_factory: StoreFac
             assert keys[0] in requested, (keys, store.calls)
 
 
+def test_one_block_around_several_steps_prefetches_in_every_backward(
+    store_factory: StoreFactory,
+) -> None:
+    # After the first backward the window's low mark stayed at the first entry: later steps
+    # prefetched nothing, and the save order grew by every step's entries, for good.
+    store = RecordingStore(store_factory("disk"))
+    x = torch.randn(128, 128, requires_grad=True)
+    block = tierstore.offload_activations(store)  # type: ignore[arg-type]
+    asked: list[int] = []
+    with block:
+        session = block._active()[-1][1]
+        for _ in range(3):
+            store.calls.clear()
+            y = x
+            for _ in range(6):
+                y = y.exp().tanh()
+            y.sum().backward()
+            del y
+            asked.append(sum(len(keys) for kind, keys in store.calls if kind == "prefetch"))
+        assert len(session._order) == 12  # the last step's entries, not all three steps'
+    assert asked[0] >= 10 and asked[1] == asked[2] == asked[0]
+
+
 def test_stats_show_what_was_offloaded_and_summary_is_logged(
     store_factory: StoreFactory, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -145,6 +145,13 @@ class _Session:
 
     def _number(self, stored: Stored) -> None:
         with self._lock:
+            if self._low is not None:
+                # A forward after a backward: one block around several steps. The window
+                # starts again from the newest entry, and the order starts afresh once
+                # every entry of the steps before is gone (their records hold indices).
+                self._low = None
+                if all(ref() is None for ref in self._order):
+                    self._order.clear()
             index = len(self._order)
             self._order.append(weakref.ref(stored))
         stored.before_first_get = functools.partial(self.prefetch_before, index)
