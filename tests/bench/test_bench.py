@@ -361,3 +361,25 @@ def test_the_headline_shows_the_gpu_peak_when_the_run_was_on_a_gpu(tmp_path: Pat
     png = tmp_path / "s.png"
     plot_summary([], report.results, png, {"cpus": 2, "filesystem": "ext4"})
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_raw_limit_moves_what_the_paths_move_at_each_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It moved --total capped at 1 GiB whatever the size, where the paths move at most
+    MAX_TENSORS tensors: 1 GiB against 256 MiB of 64 KiB tensors in the documented sweep."""
+    from tierstore.bench import _disk as bench
+    from tierstore.bench._system import RawLimit
+
+    asked: list[int] = []
+
+    def fake(directory: Path, nbytes: int) -> RawLimit:
+        asked.append(nbytes)
+        return RawLimit("fake", 1.0, 1.0, 1.0)
+
+    monkeypatch.setattr(bench, "measure_raw_limit", fake)
+    monkeypatch.setattr(bench, "MAX_TENSORS", 8)
+    argv = ["--sizes", "1MiB,4MiB", "--total", "64MiB", "--repeats", "1"]
+    argv += ["--engines", "raw-limit,os", "--dir", str(tmp_path), "--no-progress"]
+    assert bench.main(argv) == 0
+    assert asked == [16 << 20, 32 << 20]  # 8 x 1 MiB, raised to the 16 MiB floor; 8 x 4 MiB

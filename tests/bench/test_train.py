@@ -114,6 +114,14 @@ def test_a_mode_with_wrong_gradients_is_refused(tmp_path: Path) -> None:
     assert "ts_disk" not in proc.stdout
 
 
+def test_a_workers_warnings_reach_the_caller(tmp_path: Path) -> None:
+    """They say what the figures mean (nothing offloaded here); a worker that succeeded had
+    its stderr dropped."""
+    proc = run_bench(tmp_path, "--modes", "ts_disk", "--min-bytes", str(1 << 30))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[ts_disk]" in proc.stderr and "stored nothing" in proc.stderr
+
+
 def test_a_mode_wrong_only_in_the_timed_steps_is_refused(tmp_path: Path) -> None:
     """Corrupt what the store gives back from the second backward on: the checked step is
     right, the timed steps are not, and the digest of the final state sees it."""

@@ -214,7 +214,9 @@ def sweep(
         for _ in range(repeats):
             if "raw-limit" in engines:
                 progress(f"raw-limit {size_name(size)}")
-                limit = measure_raw_limit(d1, min(max(total, 16 << 20), 1 << 30))
+                # The bytes the paths move at this size (at least 16 MiB, for a tool's
+                # start-up to weigh little): a disk's rate depends on how much it is given.
+                limit = measure_raw_limit(d1, max(nbytes, 16 << 20))
                 limits.append(limit)
                 limit_by_size.setdefault(size, []).append(limit)
             for name in paths:

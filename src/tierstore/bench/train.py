@@ -360,6 +360,9 @@ def measure(argv: list[str], progress: Callable[[str], None] | None = None) -> R
                 if proc.returncode != 0:
                     sys.stderr.write(proc.stderr)
                     raise SystemExit(f"mode {mode} failed (exit {proc.returncode})")
+                # A worker's warnings (no room, nothing offloaded) say what its figures mean.
+                for line in proc.stderr.splitlines():
+                    sys.stderr.write(f"[{mode}] {line}\n")
                 runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     keys = (CHECKED_DIGEST, FINAL_DIGEST)
     for key in keys:
