@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -300,17 +301,18 @@ def test_the_zarr_path_is_fsynced_and_evicted_as_the_file_paths_are(
     monkeypatch.setattr(PageCache, "evict", lambda self, paths: evicted.extend(paths))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "not-the-stores.bin").write_bytes(b"x")  # only the store's files
     ctx = _paths.Context(tmp_path / "a", tmp_path / "b", PageCache())
     tensors = [torch.randn(1 << 18) for _ in range(3)]  # 1 MiB each
     _paths.PATHS["tierstore-zarr"](ctx, tensors)
     assert synced and synced == evicted
-    assert all(str(p).startswith(str(tmp_path / "a")) for p in synced)
+    assert all(str(p).startswith(str(tmp_path / "a" / "tierstore-")) for p in synced), synced
     synced.clear()
     _paths.PATHS["tierstore-raw"](ctx, tensors)  # O_DIRECT, or flushed by the engine itself
     assert synced == []
 
 
-def test_the_torch_save_path_saves_from_four_threads(
+def test_the_torch_save_path_saves_and_loads_from_four_threads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import threading
@@ -320,20 +322,24 @@ def test_the_torch_save_path_saves_from_four_threads(
     from tierstore.bench import _paths
     from tierstore.bench._system import PageCache
 
-    savers: set[int] = set()
-    barrier = threading.Barrier(4, timeout=10)
-    real_save = torch.save
+    threads: dict[str, set[int]] = {"save": set(), "load": set()}
+    barriers = {name: threading.Barrier(4, timeout=10) for name in threads}
+    real = {"save": torch.save, "load": torch.load}
 
-    def save(t: object, p: object) -> None:
-        savers.add(threading.get_ident())
-        barrier.wait()  # four at once, or this times out
-        real_save(t, p)
+    def four_at_once(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            threads[name].add(threading.get_ident())
+            barriers[name].wait()  # four at once, or this times out
+            return real[name](*args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", save)
+        return call
+
+    monkeypatch.setattr(torch, "save", four_at_once("save"))
+    monkeypatch.setattr(torch, "load", four_at_once("load"))
     ctx = _paths.Context(tmp_path, tmp_path, PageCache())
     tensors = [torch.randn(1024) for _ in range(8)]
-    _paths.PATHS["torch.save"](ctx, tensors)
-    assert len(savers) == 4
+    _paths.PATHS["torch.save"](ctx, tensors)  # and checks what came back, newest first
+    assert len(threads["save"]) == len(threads["load"]) == 4
 
 
 @pytest.mark.filterwarnings("ignore:No artists with labels:UserWarning")  # no disk rows

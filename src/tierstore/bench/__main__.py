@@ -105,6 +105,8 @@ def _quick(args: argparse.Namespace, plot: Path | None) -> int:
         report = train.measure(
             [*QUICK_TRAIN, "--modes", ",".join(QUICK_MODES), "--disk-dir", str(d1)], step
         )
+    for line in report.warnings:  # the progress bar is gone: nothing to write over
+        print(line, file=sys.stderr)
     for r in report.results:
         r["label"] = LABELS[r["mode"]]
     print(headline(disk.results, report, disk.machine.get("raw_limit_tool")))
@@ -197,7 +199,8 @@ def headline(disk: list[dict[str, Any]], report: train.Report, tool: object = No
             f"{r[peak] / MiB:>14.0f}{saved:>11.0f}{off:>20.0f}"
         )
     for mode in report.wrong:
-        lines.append(f"{LABELS[mode]:<28}REFUSED: its gradients differ from no offloading")
+        what = report.why.get(mode, "values")
+        lines.append(f"{LABELS[mode]:<28}REFUSED: its {what} differ from no offloading")
     return "\n".join(lines)
 
 

@@ -103,29 +103,28 @@ PathFn = Callable[["Context", list[torch.Tensor]], "Timing"]
 
 
 def _store_round(
-    store: TieredStore,
-    tensors: list[torch.Tensor],
-    what: str,
-    buffered: tuple[PageCache, list[Path]] | None = None,
+    store: TieredStore, tensors: list[torch.Tensor], what: str, buffered: PageCache | None = None
 ) -> Timing:
     """Put every tensor, wait until all are on disk, get them back newest first, release.
 
-    ``buffered``: the engine writes through the page cache (zarr). Its files under the given
-    directories are then fsync'd, within the write's time, and evicted before the reads, as
-    the file paths' are: otherwise its figures would be the page cache's.
+    ``buffered``: the engine writes through the page cache (zarr). The files in the store's
+    spill directories are then fsync'd, from as many threads as the store's I/O, within the
+    write's time, and evicted before the reads, as the file paths' are: otherwise its
+    figures would be the page cache's.
     """
     total = sum(t.numel() * t.element_size() for t in tensors)
     before = cached_bytes()
     t0 = Clock()
     handles = [store.put(t) for t in tensors]
     _settle(store, total)
-    files = [] if buffered is None else _files_under(buffered[1])
-    for f in files:
-        _fsync(f)
+    files = [] if buffered is None else _files_under(list(store.spill_dirs))
+    if files:
+        with cf.ThreadPoolExecutor(store.config.io_threads) as pool:
+            files = [f for f, kept in zip(files, pool.map(_fsync, files), strict=True) if kept]
     t1 = Clock()
     delta = cached_bytes() - before
     if buffered is not None:
-        buffered[0].evict(files)
+        buffered.evict(files)
     back = []
     t2 = Clock()
     for h in reversed(handles):
@@ -165,7 +164,7 @@ def _store_path(disk_format: str, two_dirs: bool, steady: bool) -> PathFn:
             timeout=None,
         ) as store:
             # The raw engine writes with O_DIRECT, or flushes and drops what it wrote itself.
-            buffered = None if disk_format == "raw" else (ctx.cache, dirs)
+            buffered = None if disk_format == "raw" else ctx.cache
             first = _store_round(store, tensors, what, buffered)
             if steady:
                 _drained(store)
@@ -220,12 +219,17 @@ def _files_under(directories: list[Path]) -> list[Path]:
     ]
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync(path: Path) -> bool:
+    """fsync ``path``; False if it is gone (a store deletes what it released)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    return True
 
 
 def _files(ctx: Context, n: int, suffix: str) -> tuple[Path, list[Path]]:

@@ -50,7 +50,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -312,7 +312,20 @@ class Report:
 
     results: list[dict[str, Any]]
     wrong: list[str]
-    """Modes whose gradients differed from plain training: measured, never reported."""
+    """Modes whose values differed from plain training: measured, never reported."""
+    why: dict[str, str] = field(default_factory=dict)
+    """For each mode of ``wrong``, what differed."""
+    warnings: list[str] = field(default_factory=list)
+    """What the workers wrote to stderr, each line once, prefixed by ``[mode]``: the caller
+    shows them once its progress bar is gone."""
+
+    def refusals(self) -> list[str]:
+        """One line per refused mode, saying what differed."""
+        return [
+            f"REFUSED {mode}: its {self.why.get(mode, 'values')} differ from training without "
+            "offloading, so its figures are not reported"
+            for mode in self.wrong
+        ]
 
 
 def measure(argv: list[str], progress: Callable[[str], None] | None = None) -> Report:
@@ -334,6 +347,7 @@ def measure(argv: list[str], progress: Callable[[str], None] | None = None) -> R
     # Plain training is the reference every mode's gradients are checked against.
     run_modes = modes if "none" in modes else ["none", *modes]
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in run_modes}
+    warnings: dict[str, None] = {}  # ordered, each line once over the rounds
     with spill_parent(args.disk_dir) as disk_dir:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
         # The package's own parent first, so a worker imports this very tierstore.
@@ -361,19 +375,28 @@ def measure(argv: list[str], progress: Callable[[str], None] | None = None) -> R
                     sys.stderr.write(proc.stderr)
                     raise SystemExit(f"mode {mode} failed (exit {proc.returncode})")
                 # A worker's warnings (no room, nothing offloaded) say what its figures mean.
-                for line in proc.stderr.splitlines():
-                    sys.stderr.write(f"[{mode}] {line}\n")
+                warnings.update(dict.fromkeys(f"[{mode}] {x}" for x in proc.stderr.splitlines()))
                 runs[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    keys = (CHECKED_DIGEST, FINAL_DIGEST)
+    keys = {
+        CHECKED_DIGEST: "loss and gradients of the checked step",
+        FINAL_DIGEST: "weights and optimizer state after the timed steps",
+    }
     for key in keys:
-        reference = {r[key] for r in runs["none"]}
-        if len(reference) != 1:
+        seen = {r[key] for r in runs["none"]}
+        if len(seen) != 1:
             raise SystemExit(
-                f"plain training gave {len(reference)} different {key} over {args.rounds} "
+                f"plain training gave {len(seen)} different {key} over {args.rounds} "
                 "rounds: it is not deterministic here, so no mode can be checked against it"
             )
-    wrong = [m for m in modes if any({r[k] for r in runs[m]} != {runs["none"][0][k]} for k in keys)]
-    return Report([combine(runs[mode]) for mode in modes if mode not in wrong], wrong)
+    why: dict[str, str] = {}
+    for mode in modes:
+        plain = runs["none"][0]
+        differ = [what for k, what in keys.items() if {r[k] for r in runs[mode]} != {plain[k]}]
+        if differ:
+            why[mode] = " and ".join(differ)
+    wrong = list(why)
+    results = [combine(runs[mode]) for mode in modes if mode not in wrong]
+    return Report(results, wrong, why, list(warnings))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,12 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             for result in report.results:
                 f.write(json.dumps(result) + "\n")
     print(table(report.results))
-    for mode in report.wrong:
-        print(
-            f"REFUSED {mode}: its gradients differ from training without offloading, so its "
-            "figures are not reported",
-            file=sys.stderr,
-        )
+    for line in [*report.warnings, *report.refusals()]:
+        print(line, file=sys.stderr)
     return 1 if report.wrong else 0
 
 
