@@ -162,3 +162,29 @@ async def test_the_raw_engine_checks_a_source_on_its_io_thread(tmp_path: Path) -
         assert engine.reusable_bytes() == (d / SPILL_FILE).stat().st_size - 2 * (64 << 10)
     finally:
         await engine.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_change_never_read_back_logs_no_error(
+    make_store: MakeStore, engine: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tensor written after put and released unread harms nothing: no ERROR is logged (a
+    graph never run back whose saved tensor was written in place is a program torch accepts).
+    A get still raises the error, which a DEBUG line also records."""
+    import logging
+
+    store = _disk_store(make_store, engine)
+    faulty = install_faults(store)
+    t = torch.ones(2 * MiB + 4, dtype=torch.uint8)  # over 1 MiB
+    faulty.write_gate = threading.Event()
+    with caplog.at_level(logging.DEBUG, logger="tierstore"):
+        h = store.put(t)
+        t.add_(1)  # before its spill starts
+        faulty.write_gate.set()
+        wait_for(lambda: settled(store))
+        with pytest.raises(TensorModifiedError, match="written in place"):
+            store.get(h)
+        store.release(h)
+    changed = [r for r in caplog.records if "changed after put" in r.getMessage()]
+    assert changed and all(r.levelno == logging.DEBUG for r in changed), caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -267,6 +267,18 @@ def test_an_input_written_in_place_after_the_forward_raises(store_factory: Store
         y.sum().backward()
 
 
+def test_an_inference_tensor_input_raises_torchs_own_error(store_factory: StoreFactory) -> None:
+    store = store_factory("disk")
+    with torch.inference_mode():
+        frozen = torch.randn(ROWS, WIDTH)
+    w = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    for run in (torch_checkpoint, tierstore.checkpoint):
+        kwargs: dict[str, Any] = {"store": store} if run is tierstore.checkpoint else {}
+        with pytest.raises(RuntimeError, match="Inference tensors cannot be saved"):
+            out = run(torch.mm, frozen, w, use_reentrant=False, **kwargs)
+            out.sum().backward()
+
+
 def test_checkpoint_sequential_and_nested_checkpoints(store_factory: StoreFactory) -> None:
     store = store_factory("disk")
     layers = nn.Sequential(*(_net(seed) for seed in range(4)))

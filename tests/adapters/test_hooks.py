@@ -421,6 +421,29 @@ def test_a_write_in_place_after_save_raises_however_the_tensor_was_saved(
         y.sum().backward()
 
 
+@pytest.mark.parametrize("tier", ["device", "host"])
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_a_write_through_an_alias_of_a_dead_saved_tensor_raises(
+    store_factory: StoreFactory, tier: str, backwards: int
+) -> None:
+    # The saved tensor is a temporary ``a.detach()`` (a stop-gradient operand): no base, dead
+    # at once, so only the flat view the store holds shares its counter. With two backwards
+    # (retain_graph) the second unpack finds the bytes cached and asks the store nothing.
+    store = store_factory(tier, io_chunk_bytes="512KiB")
+    x = torch.randn(8, 65536)  # 2 MiB: over 1 MiB, four chunks
+    w = torch.randn(8, 65536, requires_grad=True)
+    a = x * 1
+    with tierstore.offload_activations(store):
+        y = (a.detach() * w).sum()
+    if backwards == 2:
+        y.backward(retain_graph=True)
+        assert torch.equal(w.grad, x)  # type: ignore[arg-type]
+    with torch.no_grad():
+        a.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
 def test_a_write_in_place_before_save_is_not_mistaken_for_one_after(
     store_factory: StoreFactory,
 ) -> None:

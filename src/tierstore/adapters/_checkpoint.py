@@ -46,6 +46,7 @@ from torch.utils._device import DeviceContext
 from tierstore.adapters._common import min_bytes_of, resolve_store
 from tierstore.adapters._reentry import is_running, marked, owner_of, run_directly, unwrap
 from tierstore.adapters._storage import Saved, StorageTable, check_version
+from tierstore.core._checks import version_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
@@ -107,10 +108,13 @@ class _Held:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.version = tensor._version
+        # None for an inference tensor, which keeps no counter: the recompute raises torch's
+        # own error for it ("Inference tensors cannot be saved for backward").
+        self.version = version_of(tensor)
 
     def get(self) -> torch.Tensor:
-        check_version(self.tensor, self.version)  # as autograd checks a saved variable
+        if self.version is not None:
+            check_version(self.tensor, self.version)  # as autograd checks a saved variable
         return self.tensor
 
 

@@ -63,6 +63,7 @@ from tierstore.adapters._common import (
     unwrap,
     warn_no_room,
 )
+from tierstore.core._checks import version_of
 from tierstore.errors import TensorModifiedError, TierFullError, UnsupportedTensorError
 
 if TYPE_CHECKING:
@@ -77,7 +78,15 @@ __all__ = ["Kept", "Saved", "StorageTable", "Stored", "check_version", "is_param
 class Stored:
     """One storage held in the store. Its handle lives exactly as long as this object."""
 
-    __slots__ = ("__weakref__", "_cache", "_lock", "before_first_get", "handle", "store")
+    __slots__ = (
+        "__weakref__",
+        "_cache",
+        "_cache_version",
+        "_lock",
+        "before_first_get",
+        "handle",
+        "store",
+    )
 
     def __init__(self, store: TieredStore, handle: TensorHandle) -> None:
         self.store = store
@@ -85,9 +94,15 @@ class Stored:
         self.before_first_get: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._cache: weakref.ref[torch.Tensor] | None = None
+        self._cache_version: int | None = None
 
     def flat(self) -> torch.Tensor:
-        """The storage's bytes back on their device; fetched once while any view of them lives."""
+        """The storage's bytes back on their device; fetched once while any view of them lives.
+
+        Raises:
+            TensorModifiedError: the bytes were written in place since they were put (the
+                store raises it at the first get; a later one finds them cached).
+        """
         with self._lock:
             flat = self._cache() if self._cache is not None else None
             if flat is None:
@@ -97,6 +112,14 @@ class Stored:
                 flat = self.store.get(self.handle)
                 # Weak: the views autograd holds keep the bytes alive, and nothing else does.
                 self._cache = weakref.ref(flat)
+                self._cache_version = version_of(flat)
+            elif version_of(flat) != self._cache_version:
+                # What a device or host tier returns is the caller's own storage, sharing its
+                # counter (Note: [Version check]); a fetched copy has a counter of its own.
+                raise TensorModifiedError(
+                    f"it was written in place (version {self._cache_version} at the first "
+                    f"unpack, {version_of(flat)} now)"
+                )
             return flat
 
 
@@ -123,21 +146,26 @@ class Kept:
         the adapters hand autograd checks it at unpack and raises the error autograd raises
         without hooks, instead of returning the bytes as they are now. A kept tensor is
         checked through its detached self, which shares the saved tensor's version counter.
-        An offloaded one (:class:`Saved`) is checked three ways, because the saved view
-        object is often a temporary that dies at once (``a[2:6].sin()``): through weak
-        references to it and to its base, while they live; and by the store, which is handed
-        a flat view of the storage that shares the same counter, so every copy it makes and
-        every get of a tensor it holds as is refuses bytes written since ``put``
-        (``TensorModifiedError``). A write after the store's copy reached another tier, with
-        both the view and its base dead, leaves the bytes as they were saved: the gradient is
-        the one of the forward that ran, as with ``save_on_cpu``.
+        An offloaded one (:class:`Saved`) is checked through what shares its counter, because
+        the saved object is often a temporary that dies at once (``a[2:6].sin()``, the
+        ``a.detach()`` of a stop-gradient): weak references to it and to its base, while they
+        live; and the flat view of the storage handed to the store, which shares the same
+        counter. The store checks that view whenever it copies, spills or returns it; what a
+        device or host tier returns is that storage itself, counter included, and
+        :meth:`Stored.flat` checks it again on every later unpack (after ``retain_graph``,
+        the second finds the bytes cached and asks the store nothing). A write after the bytes
+        reached another tier, with the saved tensor and its base dead, leaves the bytes as
+        they were saved: the gradient is the one of the forward that ran, as with
+        ``save_on_cpu``.
     """
 
     __slots__ = ("kept", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.kept = t.detach()
-        self.version = t._version
+        # None for an inference tensor, which keeps no counter (and which autograd refuses
+        # to save with its own error; a checkpoint's input reaches here before that).
+        self.version = version_of(t)
 
     def tensor(self) -> torch.Tensor:
         """The kept tensor.
@@ -145,7 +173,8 @@ class Kept:
         Raises:
             RuntimeError: it was modified in place after it was saved.
         """
-        check_version(self.kept, self.version)
+        if self.version is not None:
+            check_version(self.kept, self.version)
         return self.kept
 
 
@@ -303,6 +332,8 @@ class StorageTable:
         """``t``'s record, its storage put into ``store`` unless already there; None when it
         stays where it is (the reason counted with ``store.note_skipped``)."""
         nbytes = plain.numel() * plain.element_size()
+        if t.is_inference():
+            return None  # no version counter to watch; torch refuses to save it anyway
         if nbytes < min_bytes:
             if nbytes:
                 store.note_skipped(SMALL, nbytes)

@@ -8,7 +8,9 @@ Note: [Writes after put]
     or blaming the disk: the version counter recorded at put is compared whenever the store
     copies, spills or returns the tensor, and the storage's size is checked first (the raw
     engine checks it again on its I/O threads, right before touching the memory). The entry
-    then fails with an error saying so.
+    then fails with an error saying so, which its gets raise. It is not logged as an error:
+    a tensor written after put and never read back harms nothing, as a tensor autograd saved
+    and then written in place raises only if backward needs it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tierstore._state import TRANSIT, TensorState, Tier, transition
 from tierstore.core._checks import change_of, changed_error, version_of
-from tierstore.errors import StoreClosedError
+from tierstore.errors import StoreClosedError, TensorModifiedError
 from tierstore.tiers._device import discard
 
 if TYPE_CHECKING:
@@ -313,8 +313,13 @@ class EntryTable:
         return False
 
     def fail(self, e: Entry, err: TierStoreError, *, io_done: bool = True) -> None:
-        """End ``e`` in FAILED with ``err``, which every later get raises."""
-        log.error("tierstore: %s", err)
+        """End ``e`` in FAILED with ``err``, which every later get raises.
+
+        Logged as an error, but for a change the caller made (Note: [Writes after put]),
+        logged at DEBUG: the get raises it, and an entry never read back again harms nothing.
+        """
+        level = logging.DEBUG if isinstance(err, TensorModifiedError) else logging.ERROR
+        log.log(level, "tierstore: %s", err)
         in_transit = e.state in TRANSIT and not io_done
         self.set_state(e, S.FAILED)
         e.error = err
