@@ -7,11 +7,12 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NoReturn, SupportsIndex
+from typing import TYPE_CHECKING
 
 import torch
 
 from tierstore import _registry
+from tierstore._process_bound import ProcessBound
 from tierstore.config import ALIASES, StoreConfig, check_timeout, unknown_setting
 from tierstore.core import StoreCore
 from tierstore.core._steps import check_step_number, finish_step
@@ -52,7 +53,7 @@ def resolve_config(
     return config.replace(**overrides) if overrides else config
 
 
-class AsyncTieredStore:
+class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
     """The tiered store as coroutines, bound to the event loop it is first used on.
 
     Example:
@@ -108,24 +109,6 @@ class AsyncTieredStore:
 
     async def __aenter__(self) -> AsyncTieredStore:
         return await self.open()
-
-    # Note: [A copy of a store is the store]
-    #     A store is this process's resource: its thread, its spill files, its entries. A
-    #     copy of something that refers to it (``copy.deepcopy(model)`` once its layers
-    #     checkpoint into a store, an optimizer's ``param_groups``) refers to the same store,
-    #     as a copied handle is the handle. Pickling raises: another process has no use for it.
-    def __copy__(self) -> AsyncTieredStore:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> AsyncTieredStore:
-        return self
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
-        raise TypeError(
-            f"{type(self).__name__} cannot be pickled: it is this process's threads, memory "
-            "and spill files. Create a store in the other process (or use "
-            "tierstore.default_store() there)"
-        )
 
     async def __aexit__(
         self,

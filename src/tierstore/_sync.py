@@ -20,11 +20,12 @@ import concurrent.futures as cf
 import os
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NoReturn, SupportsIndex, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from tierstore import _registry
+from tierstore._process_bound import ProcessBound
 from tierstore._store import resolve_config
 from tierstore.config import check_timeout
 from tierstore.core import StoreCore
@@ -50,7 +51,7 @@ __all__ = ["TieredStore", "default_store"]
 T = TypeVar("T")
 
 
-class TieredStore:
+class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
     """A tiered tensor store: device, host memory, then disk.
 
     Example:
@@ -319,24 +320,6 @@ class TieredStore:
 
     def __enter__(self) -> TieredStore:
         return self
-
-    # Note: [A copy of a store is the store]
-    #     A store is this process's resource: its thread, its spill files, its entries. A
-    #     copy of something that refers to it (``copy.deepcopy(model)`` once its layers
-    #     checkpoint into a store, an optimizer's ``param_groups``) refers to the same store,
-    #     as a copied handle is the handle. Pickling raises: another process has no use for it.
-    def __copy__(self) -> TieredStore:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> TieredStore:
-        return self
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
-        raise TypeError(
-            f"{type(self).__name__} cannot be pickled: it is this process's threads, memory "
-            "and spill files. Create a store in the other process (or use "
-            "tierstore.default_store() there)"
-        )
 
     def __exit__(
         self,
