@@ -45,8 +45,7 @@ from torch.utils._device import DeviceContext
 
 from tierstore.adapters._common import min_bytes_of, resolve_store
 from tierstore.adapters._reentry import is_running, marked, owner_of, run_directly, unwrap
-from tierstore.adapters._storage import Saved, StorageTable, check_version
-from tierstore.core._checks import version_of
+from tierstore.adapters._storage import Kept, Saved, StorageTable
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
@@ -99,23 +98,6 @@ class _Input:
             return alive  # the object itself, its memory in use anyway; nothing to fetch
         t = self.saved.tensor()  # raises if the input was written in place, as autograd does
         return t.detach().requires_grad_() if self.requires_grad else t
-
-
-class _Held:
-    """An input the store did not take, held as torch's frame holds it, with its version."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        # None for an inference tensor, which keeps no counter: the recompute raises torch's
-        # own error for it ("Inference tensors cannot be saved for backward").
-        self.version = version_of(tensor)
-
-    def get(self) -> torch.Tensor:
-        if self.version is not None:
-            check_version(self.tensor, self.version)  # as autograd checks a saved variable
-        return self.tensor
 
 
 _FRAME_READS_INPUTS = hasattr(torch_checkpoint._CheckpointFrame, "get_inputs")
@@ -177,7 +159,10 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
                 continue
             packed = table.offload(self.store, arg, self.min_bytes)
             saved.append(
-                _Input(packed, arg.requires_grad) if isinstance(packed, Saved) else _Held(arg)
+                # Held as torch's frame holds it, its version checked as autograd would.
+                _Input(packed, arg.requires_grad)
+                if isinstance(packed, Saved)
+                else Kept(arg, detach=False)
             )
         self.saved_args = saved
 
@@ -185,7 +170,10 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
         previous = self.prev() if self.prev is not None else None
         if previous is not None:
             previous.prefetch()
-        return [a.get() if isinstance(a, (_Input, _Held)) else a for a in self.saved_args]
+        return [
+            a.get() if isinstance(a, _Input) else a.tensor() if isinstance(a, Kept) else a
+            for a in self.saved_args
+        ]
 
     def prefetch(self) -> None:
         handles = [a.saved.stored.handle for a in self.saved_args if isinstance(a, _Input)]

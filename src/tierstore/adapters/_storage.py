@@ -161,8 +161,10 @@ class Kept:
 
     __slots__ = ("kept", "version")
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.kept = t.detach()
+    def __init__(self, t: torch.Tensor, *, detach: bool = True) -> None:
+        """``detach=False`` keeps ``t`` itself: a checkpoint's input, which the recompute
+        gets as the very object the forward saw."""
+        self.kept = t.detach() if detach else t
         # None for an inference tensor, which keeps no counter (and which autograd refuses
         # to save with its own error; a checkpoint's input reaches here before that).
         self.version = version_of(t)
