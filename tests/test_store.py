@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import errno
 import gc
 import logging
@@ -288,7 +289,9 @@ def test_read_buffers_are_reused_while_held_rounds_repeat_and_handed_back_after_
     for h, t in zip(reversed(handles), reversed(tensors), strict=True):
         assert _same_bits(store.get(h), t)
         store.release(h)
-    assert pool.mapped_bytes == 0
+    # The last get's buffer can still be held a moment by the loop thread that read it; it is
+    # unmapped when let go, not kept until the next sweep.
+    wait_for(lambda: pool.mapped_bytes == 0, timeout=5, what="every buffer unmapped")
 
 
 def test_without_prefetching_a_finished_sweep_still_hands_its_buffers_back(
@@ -309,10 +312,39 @@ def test_without_prefetching_a_finished_sweep_still_hands_its_buffers_back(
     assert pool.mapped_bytes >= 7 * 2 * MiB  # free now, still mapped
     assert _same_bits(store.get(handles[0]), tensors[0])
     assert store.stats().bytes_from_disk == 8 * 2 * MiB
-    # The oldest's own buffer may still be busy when the sweep ends (the future that handed
-    # it over can hold it a moment longer in the loop's thread); the seven free ones are gone.
-    # Without the sweep's end the pool keeps them all (its keep_bytes is 64 MiB).
+    # The oldest's own buffer may still be busy when the sweep ends (the getter holds it
+    # while it consumes); the seven free ones are gone. Without the sweep's end the pool
+    # keeps them all (its keep_bytes is 64 MiB).
     assert pool.mapped_bytes <= 2 * MiB + 4096, pool.mapped_bytes
+
+
+def test_the_last_reads_buffer_goes_though_its_task_held_it_past_the_sweeps_end(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [The last read's buffer]: the loop thread that read the oldest tensor is made to
+    hold it after answering the get, until the getter has dropped it and released its entry
+    (the sweep's end); the buffer is unmapped all the same, not kept until the next sweep."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    pool = internals(store).read_pool
+    tensors = [_random((3 * MiB // 4,), torch.float32, seed=30 + i) for i in range(2)]
+    handles = [store.put(t) for t in tensors]
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles) and settled(store))
+    linger, released = threading.Event(), threading.Event()
+    answer = cf.Future.set_result
+
+    def answer_and_linger(fut: cf.Future[object], result: object) -> None:
+        answer(fut, result)
+        if linger.is_set() and isinstance(result, torch.Tensor):
+            released.wait(5)  # this frame still holds the tensor the get returned
+
+    monkeypatch.setattr(cf.Future, "set_result", answer_and_linger)
+    assert _same_bits(store.get(handles[1]), tensors[1])
+    store.release(handles[1])
+    linger.set()
+    assert _same_bits(store.get(handles[0]), tensors[0])
+    store.release(handles[0])  # the sweep's end, the buffer still busy in the loop thread
+    released.set()
+    wait_for(lambda: pool.mapped_bytes == 0, timeout=5, what="the last buffer unmapped")
 
 
 def test_tensors_bigger_than_the_prefetch_window_are_prefetched_one_at_a_time(

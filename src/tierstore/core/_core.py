@@ -208,7 +208,7 @@ class StoreCore:
             self.walk.cursor = e.key
             result = read_now(self, e)
             self.plan_prefetch()
-            self._end_of_sweep()
+            self.end_of_sweep()
             return result
 
     def consumed(self, handle: TensorHandle, t: torch.Tensor) -> None:
@@ -220,9 +220,9 @@ class StoreCore:
             if e is not None and e.state is S.FETCHED and e.fetched is t:
                 self.consume(e)
             self.plan_prefetch()
-            self._end_of_sweep()
+            self.end_of_sweep()
 
-    def _end_of_sweep(self) -> None:
+    def end_of_sweep(self) -> None:
         """Hand the read pool's free buffers back once every read older than the last get has
         its buffer (Note: [A finished sweep hands its buffers back]): a fetch still running
         may not have taken one yet, and would map a new buffer for what was just unmapped."""
@@ -314,7 +314,7 @@ class StoreCore:
             self.plan_prefetch()
         # Backward drops a tensor read back before the entry it came from: the last ones of a
         # sweep are free by the time their entries go.
-        self._end_of_sweep()
+        self.end_of_sweep()
 
     def drain_dropped(self) -> None:
         """Release the entries of handles dropped since the last call (the lock held)."""

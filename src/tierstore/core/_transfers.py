@@ -221,6 +221,40 @@ class Transfers:
         t1 = time.perf_counter()
         buffers = {key: data for key, (_, data) in targets.items()}
         del targets  # the read windows: only ``data`` may keep a pooled buffer busy now
+        results = self._fetched(live, buffers, read_error)
+        buffers.clear()
+        t2 = time.perf_counter()
+        with core.lock:
+            st = core.counters
+            if disk:
+                st.bytes_from_disk += sum(e.nbytes for e in disk if read_error[e.key] is None)
+                st.seconds_from_disk += t1 - t0
+            if any(not e.on_cpu for e in live):
+                st.seconds_to_device += t2 - t1
+            ready = self._record_fetched(results)
+            results.clear()
+            core.plan_prefetch()  # keep the window full while the caller waits
+        _hand_over(ready)
+        # Note: [The last read's buffer]
+        #     A get may end the backward sweep (and the read pool's buffers with it) while
+        #     this frame still holds the tensor it read: the getter wakes on ``set_result``
+        #     and can drop the tensor and release its entry before this line. Its buffer,
+        #     busy then, would stay mapped until the next sweep; the check is made again
+        #     here, once this task holds none of the tensors it read.
+        with core.lock:
+            core.end_of_sweep()
+
+    def _fetched(
+        self,
+        live: list[Entry],
+        buffers: dict[int, torch.Tensor],
+        read_error: dict[int, BaseException | None],
+    ) -> list[tuple[Entry, torch.Tensor | Exception]]:
+        """What each entry's fetch gave: its tensor on its device, or the exception.
+
+        Raises:
+            BaseException: a read was cancelled (the store is closing).
+        """
         results: list[tuple[Entry, torch.Tensor | Exception]] = []
         for e in live:
             err = read_error.get(e.key)
@@ -239,39 +273,36 @@ class Transfers:
                     # Allocated on the stream that will consume it, most likely; a getter on
                     # another stream is ordered by hand_over.
                     consumer = e.stream if e.stream is not None else current_stream(e.device)
-                    results.append((e, upload(src, e.device, consumer, core.pinned)))
+                    results.append((e, upload(src, e.device, consumer, self._core.pinned)))
             except Exception as exc:
                 results.append((e, exc))
-        t2 = time.perf_counter()
+        return results
+
+    def _record_fetched(
+        self, results: list[tuple[Entry, torch.Tensor | Exception]]
+    ) -> list[tuple[cf.Future[torch.Tensor], torch.Tensor]]:
+        """Record each fetch's outcome (the store's lock held); the gets to answer."""
+        core = self._core
+        st = core.counters
         ready: list[tuple[cf.Future[torch.Tensor], torch.Tensor]] = []
-        with core.lock:
-            st = core.counters
-            if disk:
-                st.bytes_from_disk += sum(e.nbytes for e in disk if read_error[e.key] is None)
-                st.seconds_from_disk += t1 - t0
-            for e, out in results:
-                fut = e.fetch_future
-                if isinstance(out, Exception):
-                    self._fetch_failed(e, fut, out)
-                    continue
-                if not e.on_cpu:
-                    st.bytes_to_device += e.nbytes
-                if e.state is S.RELEASED:
-                    discard(out)
-                    core.table.free_copies(e)
-                    if fut is not None:
-                        fut.set_exception(Released(f"{e.describe()} was released"))
-                    continue
-                core.table.set_copy(e, "fetched", out)
-                core.table.set_state(e, S.FETCHED)
+        for e, out in results:
+            fut = e.fetch_future
+            if isinstance(out, Exception):
+                self._fetch_failed(e, fut, out)
+                continue
+            if not e.on_cpu:
+                st.bytes_to_device += e.nbytes
+            if e.state is S.RELEASED:
+                discard(out)
+                core.table.free_copies(e)
                 if fut is not None:
-                    ready.append((fut, out))
-            if any(not e.on_cpu for e in live):
-                st.seconds_to_device += t2 - t1
-            core.plan_prefetch()  # keep the window full while the caller waits
-        for fut, out in ready:
-            if not fut.done():
-                fut.set_result(out)
+                    fut.set_exception(Released(f"{e.describe()} was released"))
+                continue
+            core.table.set_copy(e, "fetched", out)
+            core.table.set_state(e, S.FETCHED)
+            if fut is not None:
+                ready.append((fut, out))
+        return ready
 
     def _read_buffer(self, e: Entry) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, data)``: what a disk read of ``e`` fills, and the entry's bytes in it.
@@ -331,6 +362,14 @@ class Transfers:
         e.fetch_future = None
         if fut is not None and not fut.done():
             fut.set_exception(err)
+
+
+def _hand_over(ready: list[tuple[cf.Future[torch.Tensor], torch.Tensor]]) -> None:
+    """Answer the waiting gets, emptying ``ready``: the caller's frame keeps none of them."""
+    while ready:
+        fut, out = ready.pop()
+        if not fut.done():
+            fut.set_result(out)
 
 
 def _released(e: Entry) -> bool:
