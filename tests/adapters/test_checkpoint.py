@@ -5,6 +5,7 @@ See Note: [Checkpoint without recursion] and Note: [Every input is an input].
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -189,6 +190,71 @@ def test_wrapping_a_modules_forward_does_not_recurse(store_factory: StoreFactory
     assert layer.calls == 2  # forward once, recompute once
     assert layer.lin.weight.grad is not None
     assert torch.equal(layer.lin.weight.grad, expected)
+
+
+class Hooked(nn.Module):
+    """A block whose forward hooks change its input and output, and count their calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(512, 512)
+        self.pre_calls = self.post_calls = 0
+        self.register_forward_pre_hook(Hooked._pre)
+        self.register_forward_hook(Hooked._post)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * x
+
+    def _pre(self, args: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+        self.pre_calls += 1
+        return (args[0] + 1,)
+
+    def _post(self, args: tuple[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        self.post_calls += 1
+        return out * 2
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_wrapped_forward_runs_the_modules_hooks_once(
+    store_factory: StoreFactory, tier: str
+) -> None:
+    """Note: [A wrapped forward runs the module's hooks once]: 1 MiB+ activations (2048 x 512
+    float32, 4 MiB), on the host and the disk tier; the checkpoint ran the module itself, so
+    its hooks ran twice (output x4, input +2) and gradients differed."""
+    store = store_factory(tier)
+    torch.manual_seed(0)
+    plain, wrapped = Hooked(), Hooked()
+    wrapped.load_state_dict(plain.state_dict())
+    x = torch.randn(2048, 512, requires_grad=True)
+    expected = plain(x)
+    expected_grads = torch.autograd.grad(expected.square().sum(), [x, plain.lin.weight])
+    wrapped.forward = functools.partial(tierstore.checkpoint, wrapped, store=store)  # type: ignore[method-assign]
+    out = wrapped(x)
+    assert (wrapped.pre_calls, wrapped.post_calls) == (1, 1)
+    assert torch.equal(out, expected)
+    grads = torch.autograd.grad(out.square().sum(), [x, wrapped.lin.weight])
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
+    assert (wrapped.pre_calls, wrapped.post_calls) == (1, 1)  # the recompute runs no hooks
+    assert store.stats().puts >= 1
+    # Called directly, the checkpoint runs the module, hooks and all, once.
+    direct = tierstore.checkpoint(wrapped, x, store=store)
+    assert torch.equal(direct, expected)
+    assert (wrapped.pre_calls, wrapped.post_calls) == (2, 2)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "eval"])
+def test_a_wrapped_forward_works_with_grad_off(store_factory: StoreFactory, mode: str) -> None:
+    """With grad off the wrapper entered itself without end (RecursionError)."""
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    plain, wrapped = Hooked(), Hooked()
+    wrapped.load_state_dict(plain.state_dict())
+    wrapped.forward = functools.partial(tierstore.checkpoint, wrapped, store=store)  # type: ignore[method-assign]
+    x = torch.randn(2048, 512)
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode)
+    with context() if context is not None else contextlib.nullcontext():
+        assert torch.equal(wrapped(x), plain(x))
+    assert (wrapped.pre_calls, wrapped.post_calls) == (1, 1)
 
 
 def test_a_layer_that_checkpoints_itself_inside_checkpoint(store_factory: StoreFactory) -> None:

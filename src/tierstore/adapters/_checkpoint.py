@@ -31,11 +31,12 @@ Note: [Stores are independent]
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch.overrides import _get_current_function_mode_stack as _function_modes
@@ -44,7 +45,14 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._device import DeviceContext
 
 from tierstore.adapters._common import min_bytes_of, resolve_store
-from tierstore.adapters._reentry import is_running, marked, owner_of, run_directly, unwrap
+from tierstore.adapters._reentry import (
+    called_by_its_own_call,
+    is_running,
+    marked,
+    owner_of,
+    run_directly,
+    unwrap,
+)
 from tierstore.adapters._storage import Kept, Saved, StorageTable
 
 if TYPE_CHECKING:
@@ -368,12 +376,17 @@ def checkpoint(
             preserve_rng_state=preserve_rng_state, **kwargs,
         )  # fmt: skip
     _check_reentrant(use_reentrant)
+    if called_by_its_own_call(function, depth=1):
+        # Note: [A wrapped forward runs the module's hooks once]
+        module = cast("torch.nn.Module", function)
+        function = functools.partial(type(module).forward, module)
     inner, bound_args, bound_kwargs = unwrap(function)
     key = id(owner_of(inner, bound_args))
     if is_running(key):
         return run_directly(function, args, kwargs)  # type: ignore[no-any-return]
     if not torch.is_grad_enabled():
-        return function(*args, **kwargs)
+        with marked(key):
+            return function(*args, **kwargs)
     resolved = resolve_store(store)
     leaves, spec = pytree.tree_flatten((bound_args + args, {**bound_kwargs, **kwargs}))
     frames = _frames(

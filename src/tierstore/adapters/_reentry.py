@@ -10,6 +10,17 @@ Note: [Checkpoint without recursion]
     ``forward`` was replaced on the instance, runs the class's own ``forward``. Each layer is
     thus checkpointed once and computed exactly once per forward and once per recompute.
     Checkpoints of different functions nest as in torch.
+
+Note: [A wrapped forward runs the module's hooks once]
+    ``layer.forward = partial(checkpoint, layer, ...)``: ``layer(x)`` runs the module's
+    forward pre-hooks, then the wrapper, then its forward hooks. Had the checkpoint run
+    ``layer`` itself, every hook would have run a second time inside it (a hook that scales
+    the output scaled it twice), and with grad off, where nothing is marked running, the
+    call entered the wrapper again without end. So when the checkpoint is called by the
+    module's own call (the calling frame is ``Module._call_impl`` of this very module), it
+    runs the class's ``forward``, in forward and in the recompute: each hook once per call,
+    as without the wrapper. Called directly, ``checkpoint(layer, x)`` still runs ``layer``,
+    hooks included.
 """
 
 from __future__ import annotations
@@ -17,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
+import types
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,9 +38,24 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["is_running", "marked", "owner_of", "run_directly", "unwrap"]
+__all__ = ["called_by_its_own_call", "is_running", "marked", "owner_of", "run_directly", "unwrap"]
 
 _local = threading.local()
+
+
+def _module_calls() -> frozenset[types.CodeType]:
+    """The code of the frames a ``module(...)`` call runs ``forward`` from: ``_call_impl``,
+    and the function nested in it that runs the hooks around ``forward`` when there are any."""
+    codes = [
+        getattr(torch.nn.Module, name).__code__
+        for name in ("_call_impl", "_wrapped_call_impl")
+        if hasattr(torch.nn.Module, name)
+    ]
+    nested = [c for code in codes for c in code.co_consts if isinstance(c, types.CodeType)]
+    return frozenset(codes + nested)
+
+
+_MODULE_CALLS = _module_calls()
 
 
 def is_running(key: int) -> bool:
@@ -88,3 +116,17 @@ def run_directly(
         # calling the module again would enter the wrapper again. Run the class's forward.
         return type(function).forward(function, *args, **kwargs)
     return function(*args, **kwargs)
+
+
+def called_by_its_own_call(module: object, depth: int) -> bool:
+    """Whether the frame ``depth`` levels above this call's caller is ``module``'s own
+    ``module(...)`` call, which has run its forward pre-hooks and runs its forward hooks after
+    (Note: [A wrapped forward runs the module's hooks once]).
+
+    Only that frame's ``self`` is read; its locals (the module, its arguments) live until it
+    returns anyway.
+    """
+    if not isinstance(module, torch.nn.Module) or "forward" not in module.__dict__:
+        return False
+    frame = sys._getframe(depth + 1)
+    return frame.f_code in _MODULE_CALLS and frame.f_locals.get("self") is module
