@@ -8,6 +8,7 @@ bytes that do reach the disk go through the real engine.
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import threading
 import time
@@ -261,6 +262,49 @@ def test_eio_on_read_names_the_tensor_and_keeps_it(make_store: MakeStore) -> Non
     assert store.stats().read_errors == 1
     assert torch.equal(store.get(h), t.view(3, -1))  # the next try reads it
     audit(store)
+
+
+@pytest.mark.parametrize("size", [3 * MiB, 256 * 1024], ids=["3MiB-chunked", "256KiB-packed"])
+def test_a_read_error_kept_by_the_caller_keeps_no_read_buffer(
+    make_store: MakeStore, size: int
+) -> None:
+    """Note: [A failed read keeps no buffer]: the engine's traceback held the read's pooled
+    buffer, and the SpillIOError chains it, so a caller keeping the error kept the buffer."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    pool = internals(store).read_pool
+    faulty = install_faults(store)
+    t = _pattern(size // 4, 11)
+    h = store.put(t)
+    wait_for(lambda: store.tier_of(h) is Tier.DISK and settled(store))
+    faulty.fail_reads(errno.EIO, times=1)
+    with pytest.raises(SpillIOError) as info:
+        store.get(h)
+    kept = info.value
+    assert isinstance(kept.__cause__, OSError) and kept.__cause__.errno == errno.EIO
+    wait_for(lambda: settled(store))
+    gc.collect()
+    assert not pool._busy, "a kept read error holds the read buffer"
+    pool.shrink(keep_free=0)
+    assert pool.mapped_bytes == 0
+    assert torch.equal(store.get(h), t)  # the next try reads it
+    del kept
+
+
+def test_close_hands_the_read_pools_buffers_back(make_store: MakeStore) -> None:
+    """A sweep stopped half way (an exception in backward), then close: the closed store,
+    still referenced, kept its free read buffers mapped."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=8 * MiB)
+    pool = internals(store).read_pool
+    tensors = [_pattern(MiB // 2, 20 + i) for i in range(8)]
+    handles = [store.put(t) for t in tensors]
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles) and settled(store))
+    for h, t in list(zip(handles, tensors, strict=True))[::-1][:4]:
+        assert torch.equal(store.get(h), t)
+        store.release(h)
+    wait_for(lambda: settled(store))
+    assert pool.mapped_bytes > 0
+    store.close()
+    assert pool.mapped_bytes == 0
 
 
 def test_eio_on_prefetch_surfaces_at_get(make_store: MakeStore) -> None:

@@ -451,6 +451,9 @@ class StoreCore:
         with self.lock:
             summary = self._snapshot_locked().summary()
             self.table.drop_all()
+        # The closed store object may live on (a caller's reference): its free read buffers,
+        # up to the pool's keep_bytes, go now; busy ones when their tensors die.
+        self.read_pool.clear()
         # Copies up from pinned pieces may still run on the device: the pieces go back to
         # torch's pinned cache with the pool, and must not be reused before they end.
         self.pinned.synchronize()

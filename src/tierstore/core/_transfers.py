@@ -233,6 +233,7 @@ class Transfers:
                 st.seconds_to_device += t2 - t1
             ready = self._record_fetched(results)
             results.clear()
+            read_error.clear()
             core.plan_prefetch()  # keep the window full while the caller waits
         _hand_over(ready)
         # Note: [The last read's buffer]
@@ -335,7 +336,17 @@ class Transfers:
             handed to one fresh read, as if the get had started it; only that read's failure
             reaches the get. A failed read the get began itself raises at once, and a corrupt
             copy is final.
+
+        Note: [A failed read keeps no buffer]
+            The engine's error carries a traceback whose frames held the read's buffer (every
+            buffer of a grouped read), and the error a get raises has it as its cause: a
+            caller keeping that error (a notebook's last traceback, a log record) kept the
+            buffers busy, and on a GPU their room in the pinned pool. The engine's
+            tracebacks are cut here, as a failed host copy's are: clearing the frames'
+            locals instead would finalize any suspended coroutine among them. The errors
+            themselves, their messages and errnos, stay.
         """
+        _cut_tracebacks(exc)
         core = self._core
         core.counters.read_errors += 1
         if e.state is S.RELEASED:
@@ -362,6 +373,17 @@ class Transfers:
         e.fetch_future = None
         if fut is not None and not fut.done():
             fut.set_exception(err)
+
+
+def _cut_tracebacks(exc: BaseException) -> None:
+    """Drop the tracebacks of ``exc`` and the errors it chains (Note: [A failed read keeps no
+    buffer])."""
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        err.__traceback__ = None
+        err = err.__cause__ or err.__context__
 
 
 def _hand_over(ready: list[tuple[cf.Future[torch.Tensor], torch.Tensor]]) -> None:
