@@ -139,6 +139,39 @@ def test_store_stays_usable_after_fork(disk_dir: Path, disk_format: str) -> None
     assert list(disk_dir.iterdir()) == []
 
 
+def test_a_forked_child_holds_no_descriptor_of_the_parents_spill_files(disk_dir: Path) -> None:
+    """A child that never touches the store (a data loader's worker) kept the parent's spill
+    file open, so its space stayed in use after the parent removed it, until the child
+    exited. 16 MiB spilled over two directories first, so both files exist and have grown."""
+    second = disk_dir / "second"
+    second.mkdir()
+    out = _python(f"""
+        import os, torch, tierstore
+        from tierstore.testing import settled, wait_for
+        store = tierstore.TieredStore(disk_dir=[{str(disk_dir)!r}, {str(second)!r}],
+                                      device_bytes=0, host_bytes=0, min_bytes=0)
+        hs = [store.put(torch.full((1 << 20,), float(i))) for i in range(4)]
+        wait_for(lambda: settled(store) and store.stats().disk.bytes >= 16 << 20)
+        parents = [str(d) for d in store.spill_dirs]
+        pid = os.fork()
+        if pid == 0:
+            held = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    held.append(os.readlink(f"/proc/self/fd/{{fd}}"))
+                except OSError:
+                    pass  # the listing's own descriptor, closed by now
+            mine = [p for p in held if any(p.startswith(d) for d in parents)]
+            os._exit(0 if not mine else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        assert all(torch.equal(store.get(h), torch.full((1 << 20,), float(i)))
+                   for i, h in enumerate(hs))
+        store.close()
+    """)
+    assert "child 0" in out, out
+
+
 # The forks below: the child puts and gets through the default store (TIERSTORE_DISK_DIR),
 # closes it and exits 0; the parent gives it 30 s, then kills it ("hung").
 _FORK_HARNESS = """

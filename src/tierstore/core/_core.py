@@ -469,4 +469,6 @@ class StoreCore:
         self.closed = True
         self.table.entries.clear()
         self.disk_tier.forget()
+        if self.disk.engine is not None:
+            self.disk.engine.forget_after_fork()
         self.disk.engine = None

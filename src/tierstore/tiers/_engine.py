@@ -189,6 +189,13 @@ class DiskEngine(abc.ABC):
     async def close(self) -> None:
         """Delete every file this engine made and stop its threads."""
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: close what it holds open of the parent's files, touching none.
+
+        An open descriptor keeps a file's space in use after the parent removes it, until
+        the child exits (a data loader's worker lives an epoch). Default: nothing held open.
+        """
+
     def describe(self) -> dict[str, object]:
         """What the engine detected (direct I/O, chunking), for ``python -m tierstore info``."""
         return {"format": self.name}

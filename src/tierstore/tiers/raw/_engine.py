@@ -12,7 +12,9 @@ the defaults.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -289,6 +291,12 @@ class RawEngine(DiskEngine):
         self._blobs.clear()
         self._close_files()
         self._io.close()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: close the spill files' descriptors; the files stay the parent's."""
+        for f in self._files:
+            with contextlib.suppress(OSError):
+                os.close(f.fd)
 
     def describe(self) -> dict[str, object]:
         """Direct I/O per directory, chunking, threads and checksum, for ``tierstore info``."""
