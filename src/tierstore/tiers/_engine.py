@@ -195,6 +195,7 @@ class DiskEngine(abc.ABC):
         An open descriptor keeps a file's space in use after the parent removes it, until
         the child exits (a data loader's worker lives an epoch). Default: nothing held open.
         """
+        return None
 
     def describe(self) -> dict[str, object]:
         """What the engine detected (direct I/O, chunking), for ``python -m tierstore info``."""
