@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -95,6 +96,43 @@ async def test_dtypes_zarr_lacks_are_raw_bytes_and_bit_exact(
     assert torch.equal(out, raw)
     back = out.view(dtype).view(t.shape)
     assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ((8 * CHUNK + 4096,), torch.uint8),  # flat bytes just over a chunk multiple
+        ((2 * CHUNK // 4 + 1,), torch.float32),
+        ((9, CHUNK // 8), torch.float32),  # 9 rows of half a chunk
+        ((5, 3, CHUNK // 12 + 1), torch.float32),  # rows of odd size: stored flat
+        ((3, 2 * CHUNK // 8), torch.float64),  # rows over a chunk: a chunk each
+        ((17, 1000), torch.complex128),
+        ((CHUNK + 1,), torch.bfloat16),  # raw bytes
+    ],
+)
+async def test_the_footprint_covers_what_the_files_take(
+    engine: ZarrEngine, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """Note: [Edge chunks are written whole]: zarr pads the last chunk to the full chunk
+    size, so chunks of ``io_chunk_bytes // row`` rows made a flat 8 chunks + 4 KiB tensor
+    take 9 chunks, nearly a whole chunk more than the footprint counted."""
+    t = (
+        torch.randn(shape, dtype=torch.float64).to(dtype)
+        if dtype != torch.uint8
+        else (random_bytes(math.prod(shape), seed=3))
+    )
+    raw = t.contiguous().view(-1).view(torch.uint8)
+    await engine.write(1, raw, dtype=dtype, shape=tuple(shape))
+    files = [p for p in _array_dir(engine, 1).rglob("*") if p.is_file()]
+    on_disk = sum(-(-p.stat().st_size // 4096) * 4096 for p in files)
+    assert on_disk <= engine.footprint(raw.numel()), (on_disk, engine.footprint(raw.numel()))
+    data = sum(p.stat().st_size for p in files if p.name != "zarr.json")
+    assert data <= raw.numel() + 20 * len(files)  # data, checksums and < 16 B padding a chunk
+    array = zarr.open_array(str(_array_dir(engine, 1)), mode="r")
+    assert array.attrs["shape"] == list(shape)
+    out = torch.empty_like(raw)
+    await engine.read(1, out)
+    assert torch.equal(out, raw)
 
 
 async def test_nan_payloads_survive(engine: ZarrEngine) -> None:
