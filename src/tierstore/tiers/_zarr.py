@@ -178,6 +178,8 @@ class ZarrEngine(DiskEngine):
                     if n + 1 < len(homes):
                         continue
                 raise
+            # A close that ran meanwhile removed the groups, this array with them.
+            self._check_open()
             self._stored[key] = (src.numel(), home)
             return
 
@@ -258,6 +260,8 @@ class ZarrEngine(DiskEngine):
         group = zarr.open_group(str(path.parent), mode="r+", zarr_format=3)
         array = group.create_array(
             _key_name(key),
+            # What a write cancelled twice left (its removal was cancelled too) is replaced.
+            overwrite=True,
             shape=data.shape,
             dtype=data.dtype,
             chunks=chunks,
