@@ -1080,7 +1080,9 @@ def test_one_get_plans_a_step_of_prefetch_and_the_window_fills_behind_it(
     assert store.stats().prefetch_misses == 1
 
 
-@pytest.mark.parametrize("timeout", [float("inf"), -5, 0, float("nan"), "30", True, 2e9], ids=repr)
+@pytest.mark.parametrize(
+    "timeout", [float("inf"), -5, 0, float("nan"), "30", True, 2e9, 10**400], ids=repr
+)
 def test_a_bad_timeout_is_refused_at_construction(disk_dir: Path, timeout: object) -> None:
     """As every other knob: ConfigError naming it, before any directory is made."""
     with pytest.raises(tierstore.ConfigError) as info:
@@ -1100,6 +1102,26 @@ def test_good_timeouts_wait_and_close(make_store: MakeStore, timeout: float | No
     (spill,) = store.spill_dirs
     store.close()
     assert not Path(spill).exists()
+
+
+def test_a_close_that_outlasts_its_wait_raises_store_timeout_error(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close whose transfers neither end nor cancel (a thread stuck in a disk call) raised
+    a bare concurrent.futures.TimeoutError."""
+    store = make_store(device_bytes=0, host_bytes=0, timeout=0.5)
+    core = store._core
+    assert core is not None
+    real_finish = core.finish_close
+
+    async def stuck(timeout: float) -> None:
+        await asyncio.sleep(30)
+
+    monkeypatch.setattr(core, "finish_close", stuck)
+    with pytest.raises(tierstore.StoreTimeoutError, match=r"close\(\) waited 6s"):
+        store.close()
+    # Clean up as the exit hook would: run the real close on a loop of its own.
+    asyncio.run(real_finish(0.5))
 
 
 def test_copied_handles_are_the_handle_and_pickling_is_refused(make_store: MakeStore) -> None:

@@ -297,7 +297,14 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        """Let transfers finish, delete every spill file and the directory; idempotent."""
+        """Let transfers finish, delete every spill file and the directory; idempotent.
+
+        Raises:
+            WrongThreadError: called from the store's own loop thread.
+            StoreTimeoutError: the transfers neither ended nor were cancelled within twice
+                the store's timeout (60 s without one) and 5 s; the directory is removed at
+                exit.
+        """
         with self._start_lock:
             if self._closed:
                 return
@@ -312,7 +319,15 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
                 done = asyncio.run_coroutine_threadsafe(
                     core.finish_close(self._close_timeout), core.loop
                 )
-                done.result(timeout=2 * self._close_timeout + 5)
+                wait = 2 * self._close_timeout + 5
+                try:
+                    done.result(timeout=wait)
+                except cf.TimeoutError:
+                    raise StoreTimeoutError(
+                        f"close() waited {wait:g}s for the store's transfers to end or cancel; "
+                        "a thread may be stuck in a disk call. The spill directories are "
+                        "removed when the process exits"
+                    ) from None
         finally:
             core.loop.call_soon_threadsafe(core.loop.stop)
             thread.join(timeout=5)

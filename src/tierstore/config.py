@@ -155,7 +155,10 @@ def check_timeout(value: object, *, name: str, allow_none: bool = True) -> float
     forever = "; pass None to wait forever" if allow_none else ""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{name}={value!r}: expected a number of seconds{forever}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int too big for a float
+        seconds = math.inf
     if math.isnan(seconds) or seconds <= 0:
         raise ConfigError(f"{name}={value!r}: must be a positive number of seconds{forever}")
     if seconds > MAX_TIMEOUT:
