@@ -101,9 +101,52 @@ def test_raw_limit_falls_back_to_dd_and_says_so(
         pytest.skip(f"{tmp_path} refuses O_DIRECT, which dd's fallback needs")
     monkeypatch.setattr(_system.shutil, "which", lambda name: None)
     limit = _system.measure_raw_limit(tmp_path, 4 << 20)
+    assert limit is not None
     assert limit.tool.startswith("dd") and "fio not installed" in limit.tool
     assert limit.write_gbps > 0 and limit.overwrite_gbps > 0 and limit.read_gbps > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_that_refuses_o_direct_gives_no_limit_and_the_sweep_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """dd with O_DIRECT failing (tmpfs before Linux 6.6, fio not installed) killed the
+    sweep, and the README's main command with it, with a CalledProcessError."""
+    import subprocess
+
+    from tierstore.bench import _disk as bench
+    from tierstore.bench import _system
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise subprocess.CalledProcessError(1, ["dd"], stderr=b"Invalid argument")
+
+    monkeypatch.setattr(_system.shutil, "which", lambda name: None)
+    monkeypatch.setattr(_system.subprocess, "run", refused)
+    assert _system.measure_raw_limit(tmp_path, 4 << 20) is None
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(bench, "MAX_TENSORS", 4)
+    argv = ["--sizes", "1MiB", "--total", "4MiB", "--repeats", "1"]
+    argv += ["--engines", "raw-limit,tierstore-raw", "--dir", str(tmp_path), "--no-progress"]
+    assert bench.main(argv) == 0
+    assert "no raw disk limit" in capsys.readouterr().err
+
+
+def test_no_two_pages_of_the_benchmarks_tensors_are_alike_and_a_new_round_restamps() -> None:
+    """Note: [Every page differs]: the tensors were one random block copied, marked only in
+    their first 8 bytes, so a chunk read from another tensor's place, or a steady-round write
+    that never reached the disk, read back equal and passed the check."""
+    import torch
+
+    from tierstore.bench._disk import _make_tensors
+    from tierstore.bench._paths import stamp
+
+    tensors = _make_tensors(64 << 10, 3) + _make_tensors(1000, 2)
+    pages = [bytes(t[i : i + 4096].tolist()) for t in tensors[:3] for i in range(0, 64 << 10, 4096)]
+    assert len(set(pages)) == len(pages) == 48
+    assert not torch.equal(tensors[3], tensors[4])
+    before = [t.clone() for t in tensors]
+    stamp(tensors, 1)
+    assert all(not torch.equal(a, b) for a, b in zip(before, tensors, strict=True))
 
 
 def test_the_steady_round_spills_into_the_extents_the_first_round_freed(tmp_path: Path) -> None:

@@ -101,6 +101,32 @@ def _drained(store: TieredStore) -> None:
 
 PathFn = Callable[["Context", list[torch.Tensor]], "Timing"]
 
+_PAGE = 4096
+
+
+def stamp(tensors: list[torch.Tensor], round_: int) -> None:
+    """Write ``(tensor index, page index, round)`` into the first 24 bytes of each 4 KiB page
+    of each byte tensor (what fits of it in a tensor under a page).
+
+    Note: [Every page differs]
+        The benchmark's tensors are one random block each, copied: were their pages alike, a
+        chunk read from another tensor's place on disk, or a steady-round write that never
+        happened (its extent still holding the first round's bytes), would compare equal and
+        pass the check. The steady round restamps every page with its round first.
+    """
+    for i, t in enumerate(tensors):
+        n = t.numel()
+        pages = max(1, n // _PAGE)
+        marks = torch.empty((pages, 3), dtype=torch.int64)
+        marks[:, 0] = i
+        marks[:, 1] = torch.arange(pages)
+        marks[:, 2] = round_
+        raw = marks.view(torch.uint8)
+        if n >= _PAGE:
+            t[: pages * _PAGE].view(pages, _PAGE)[:, :24] = raw
+        else:
+            t[: min(n, 24)] = raw[0, : min(n, 24)]
+
 
 def _store_round(
     store: TieredStore, tensors: list[torch.Tensor], what: str, buffered: PageCache | None = None
@@ -168,6 +194,7 @@ def _store_path(disk_format: str, two_dirs: bool, steady: bool) -> PathFn:
             first = _store_round(store, tensors, what, buffered)
             if steady:
                 _drained(store)
+                stamp(tensors, 1)  # Note: [Every page differs]
                 first.steady = _store_round(store, tensors, what + " (steady)", buffered)
             first.stats = store.stats().summary()
         return first

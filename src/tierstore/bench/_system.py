@@ -134,12 +134,17 @@ def dd_direct(path: Path, nbytes: int, rw: str, block: int = MiB) -> tuple[float
     return count * block / seconds / 1e9, cpu_s / (count * block / 1e9)
 
 
-def measure_raw_limit(directory: Path, nbytes: int) -> RawLimit:
+def measure_raw_limit(directory: Path, nbytes: int) -> RawLimit | None:
     """The disk's own O_DIRECT speed in ``directory``: fio if installed, else dd.
 
     fio runs 1 MiB blocks with 16 in flight through io_uring (libaio where io_uring fails);
     dd, the fallback, has one request in flight and so reads lower than the disk can do. The
     file is written twice, new and then overwritten, and read once.
+
+    Returns:
+        None where neither tool could run: a filesystem that refuses O_DIRECT (tmpfs before
+        Linux 6.6), where the store itself falls back to buffered I/O. The paths are then
+        measured without a limit beside them.
     """
     nbytes = max(MiB, nbytes // MiB * MiB)
     path = directory / f".tierstore-bench-rawlimit-{os.getpid()}"
@@ -155,9 +160,12 @@ def measure_raw_limit(directory: Path, nbytes: int) -> RawLimit:
                     continue
                 tool = f"fio direct=1 bs=1M iodepth=16 ioengine={engine}"
                 return RawLimit(tool, w[0], o[0], r[0], o[1], r[1])
-        w = dd_direct(path, nbytes, "write")
-        o = dd_direct(path, nbytes, "write")
-        r = dd_direct(path, nbytes, "read")
+        try:
+            w = dd_direct(path, nbytes, "write")
+            o = dd_direct(path, nbytes, "write")
+            r = dd_direct(path, nbytes, "read")
+        except subprocess.CalledProcessError:
+            return None
         tool = "dd bs=1M oflag=direct/iflag=direct (fio not installed)"
         return RawLimit(tool, w[0], o[0], r[0], o[1], r[1])
     finally:
