@@ -3,14 +3,16 @@
     python examples/hf_trainer.py --output-dir /tmp/tierstore-hf --steps 4
     python examples/hf_trainer.py --output-dir /tmp/tierstore-hf --steps 4 --no-offload
 
-Nothing is downloaded: the model is built from a LlamaConfig with random weights and the data
-set is random token ids. With a real model, call ``enable_offloaded_checkpointing`` the same
-way right after loading it; the Trainer's own ``activation_checkpointing=True`` then installs
-tierstore's checkpoint too. ``attach_callback`` adds the store's figures to every logged step
-and logs one line per optimizer step on the ``tierstore`` logger (shown here at INFO), e.g.
-``tierstore: step 2 offloaded 4.3 MiB (host 0.0, disk 4.3), peak off-device 4.3 MiB, ...``.
-Each layer's input is 2 MiB here (batch 4, 512 tokens, width 256). Every step prints its loss
-exactly, so the run can be compared with ``--no-offload``: the losses are the same, bit for bit.
+Needs ``transformers`` and ``accelerate`` (``pip install transformers accelerate``; the test
+extra, ``pip install -e ".[test]"``, has both). Nothing is downloaded: the model is built from a
+LlamaConfig with random weights and the data set is random token ids. With a real model, call
+``enable_offloaded_checkpointing`` the same way right after loading it; the Trainer's own
+``activation_checkpointing=True`` then installs tierstore's checkpoint too. ``attach_callback``
+adds the store's figures to every logged step and logs one line per optimizer step on the
+``tierstore`` logger (shown here at INFO), e.g. ``tierstore: step 2 offloaded 4.3 MiB (host 0.0,
+disk 4.3), peak off-device 4.3 MiB, ...``. Each layer's input is 2 MiB here (batch 4, 512
+tokens, width 256). Every step prints its loss exactly, so the run can be compared with ``--no-
+offload``: the losses are the same, bit for bit.
 """
 
 from __future__ import annotations
