@@ -11,8 +11,8 @@ LlamaConfig with random weights and the data set is random token ids. With a rea
 adds the store's figures to every logged step and logs one line per optimizer step on the
 ``tierstore`` logger (shown here at INFO), e.g. ``tierstore: step 2 offloaded 4.3 MiB (host 0.0,
 disk 4.3), peak off-device 4.3 MiB, ...``. Each layer's input is 2 MiB here (batch 4, 512
-tokens, width 256). Every step prints its loss exactly, so the run can be compared with ``--no-
-offload``: the losses are the same, bit for bit.
+tokens, width 256). Every step prints its loss exactly, so the run can be compared with
+``--no-offload``: the losses are the same, bit for bit.
 """
 
 from __future__ import annotations
