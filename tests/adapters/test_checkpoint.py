@@ -242,6 +242,41 @@ def test_a_wrapped_forward_runs_the_modules_hooks_once(
     assert (wrapped.pre_calls, wrapped.post_calls) == (2, 2)
 
 
+@pytest.mark.parametrize("between", ["a wrapper function", "accelerate's hook"])
+def test_a_wrapped_forward_runs_the_hooks_once_with_frames_in_between(
+    store_factory: StoreFactory, between: str
+) -> None:
+    """A frame between the module's call and the checkpoint (a decorator, accelerate's
+    ``add_hook_to_module``) hid the module's call: its hooks ran twice with grad on, and with
+    grad off the wrapper recursed."""
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    plain, wrapped = Hooked(), Hooked()
+    wrapped.load_state_dict(plain.state_dict())
+    checkpointed = functools.partial(tierstore.checkpoint, wrapped, store=store)
+    if between == "a wrapper function":
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = checkpointed(x)
+            return out
+
+        wrapped.forward = forward  # type: ignore[method-assign]
+    else:
+        hooks = pytest.importorskip("accelerate.hooks")
+        wrapped.forward = checkpointed  # type: ignore[method-assign]
+        hooks.add_hook_to_module(wrapped, hooks.ModelHook())
+    x = torch.randn(2048, 512, requires_grad=True)
+    expected = plain(x)
+    expected_grads = torch.autograd.grad(expected.sum(), [x, plain.lin.weight])
+    out = wrapped(x)
+    assert torch.equal(out, expected)
+    grads = torch.autograd.grad(out.sum(), [x, wrapped.lin.weight])
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
+    with torch.no_grad():
+        assert torch.equal(wrapped(x), plain(x))
+    assert (wrapped.pre_calls, wrapped.post_calls) == (2, 2)
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "eval"])
 def test_a_wrapped_forward_works_with_grad_off(store_factory: StoreFactory, mode: str) -> None:
     """With grad off the wrapper entered itself without end (RecursionError)."""

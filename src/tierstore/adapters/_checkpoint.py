@@ -385,8 +385,7 @@ def checkpoint(
     if is_running(key):
         return run_directly(function, args, kwargs)  # type: ignore[no-any-return]
     if not torch.is_grad_enabled():
-        with marked(key):
-            return function(*args, **kwargs)
+        return function(*args, **kwargs)
     resolved = resolve_store(store)
     leaves, spec = pytree.tree_flatten((bound_args + args, {**bound_kwargs, **kwargs}))
     frames = _frames(

@@ -19,8 +19,11 @@ Note: [A wrapped forward runs the module's hooks once]
     call entered the wrapper again without end. So when the checkpoint is called by the
     module's own call (the calling frame is ``Module._call_impl`` of this very module), it
     runs the class's ``forward``, in forward and in the recompute: each hook once per call,
-    as without the wrapper. Called directly, ``checkpoint(layer, x)`` still runs ``layer``,
-    hooks included.
+    as without the wrapper. Wrappers between that call and the checkpoint (accelerate's
+    hooks, a decorator) are looked through, up to ``_CALLER_FRAMES`` frames. Called
+    directly, ``checkpoint(layer, x)`` still runs ``layer``, hooks included. Under
+    ``torch.compile`` the module's call is compiled code, not found: checkpoint
+    ``partial(type(layer).forward, layer)`` there, which runs no hooks twice anywhere.
 """
 
 from __future__ import annotations
@@ -118,15 +121,28 @@ def run_directly(
     return function(*args, **kwargs)
 
 
-def called_by_its_own_call(module: object, depth: int) -> bool:
-    """Whether the frame ``depth`` levels above this call's caller is ``module``'s own
-    ``module(...)`` call, which has run its forward pre-hooks and runs its forward hooks after
-    (Note: [A wrapped forward runs the module's hooks once]).
+_CALLER_FRAMES = 16
+"""How far up the stack :func:`called_by_its_own_call` looks: wrappers between the module's
+call and the checkpoint (accelerate's hooks, a decorator, ``torch.jit``'s slow path) add a
+frame or two each."""
 
-    Only that frame's ``self`` is read; its locals (the module, its arguments) live until it
-    returns anyway.
+
+def called_by_its_own_call(module: object, depth: int) -> bool:
+    """Whether the checkpoint runs inside ``module``'s own ``module(...)`` call, which has
+    run its forward pre-hooks and runs its forward hooks after (Note: [A wrapped forward runs
+    the module's hooks once]): one of the ``_CALLER_FRAMES`` frames above the caller ``depth``
+    levels up is that call's.
+
+    Only those frames' ``self`` is read; their locals (the module, its arguments) live until
+    they return anyway.
     """
     if not isinstance(module, torch.nn.Module) or "forward" not in module.__dict__:
         return False
-    frame = sys._getframe(depth + 1)
-    return frame.f_code in _MODULE_CALLS and frame.f_locals.get("self") is module
+    frame: types.FrameType | None = sys._getframe(depth + 1)
+    for _ in range(_CALLER_FRAMES):
+        if frame is None:
+            return False
+        if frame.f_code in _MODULE_CALLS and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
