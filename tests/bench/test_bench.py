@@ -140,13 +140,15 @@ def test_no_two_pages_of_the_benchmarks_tensors_are_alike_and_a_new_round_restam
     from tierstore.bench._disk import _make_tensors
     from tierstore.bench._paths import stamp
 
-    tensors = _make_tensors(64 << 10, 3) + _make_tensors(1000, 2)
+    tensors = _make_tensors(64 << 10, 3) + _make_tensors(6000, 2) + _make_tensors(16, 2)
     pages = [bytes(t[i : i + 4096].tolist()) for t in tensors[:3] for i in range(0, 64 << 10, 4096)]
     assert len(set(pages)) == len(pages) == 48
-    assert not torch.equal(tensors[3], tensors[4])
-    before = [t.clone() for t in tensors]
-    stamp(tensors, 1)
-    assert all(not torch.equal(a, b) for a, b in zip(before, tensors, strict=True))
+    assert not torch.equal(tensors[3][4096:], tensors[4][4096:])  # the partial last page too
+    for _ in range(2):  # each round differs from the one before, in every page
+        before = [t.clone() for t in tensors]
+        stamp(tensors)
+        assert all(not torch.equal(a, b) for a, b in zip(before, tensors, strict=True))
+        assert not torch.equal(before[3][4096:], tensors[3][4096:])
 
 
 def test_the_steady_round_spills_into_the_extents_the_first_round_freed(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import itertools
 import os
 import shutil
 import tempfile
@@ -104,28 +105,37 @@ PathFn = Callable[["Context", list[torch.Tensor]], "Timing"]
 _PAGE = 4096
 
 
-def stamp(tensors: list[torch.Tensor], round_: int) -> None:
-    """Write ``(tensor index, page index, round)`` into the first 24 bytes of each 4 KiB page
-    of each byte tensor (what fits of it in a tensor under a page).
+_ROUNDS = itertools.count(1)
+"""Round numbers for :func:`stamp`: never the same twice in a process."""
+
+
+def stamp(tensors: list[torch.Tensor], round_: int | None = None) -> None:
+    """Write ``(round, tensor index, page index)`` into the first 24 bytes of each 4 KiB
+    page of each byte tensor, the last partial page included (what fits of it in a tensor
+    under 24 bytes). ``round_`` defaults to a number no round of this process had.
 
     Note: [Every page differs]
         The benchmark's tensors are one random block each, copied: were their pages alike, a
         chunk read from another tensor's place on disk, or a steady-round write that never
         happened (its extent still holding the first round's bytes), would compare equal and
-        pass the check. The steady round restamps every page with its round first.
+        pass the check. Every round of a store path restamps every page with a new round
+        first (the same tensors go through every path and repeat).
     """
+    round_ = next(_ROUNDS) if round_ is None else round_
     for i, t in enumerate(tensors):
         n = t.numel()
-        pages = max(1, n // _PAGE)
-        marks = torch.empty((pages, 3), dtype=torch.int64)
-        marks[:, 0] = i
-        marks[:, 1] = torch.arange(pages)
-        marks[:, 2] = round_
+        full, tail = divmod(n, _PAGE)
+        pages = full + (1 if tail else 0)
+        marks = torch.empty((max(1, pages), 3), dtype=torch.int64)
+        marks[:, 0] = round_
+        marks[:, 1] = i
+        marks[:, 2] = torch.arange(max(1, pages))
         raw = marks.view(torch.uint8)
-        if n >= _PAGE:
-            t[: pages * _PAGE].view(pages, _PAGE)[:, :24] = raw
-        else:
-            t[: min(n, 24)] = raw[0, : min(n, 24)]
+        if full:
+            t[: full * _PAGE].view(full, _PAGE)[:, :24] = raw[:full]
+        if tail or not full:
+            k = min(n - full * _PAGE, 24)
+            t[full * _PAGE : full * _PAGE + k] = raw[pages - 1 if pages else 0, :k]
 
 
 def _store_round(
@@ -191,10 +201,11 @@ def _store_path(disk_format: str, two_dirs: bool, steady: bool) -> PathFn:
         ) as store:
             # The raw engine writes with O_DIRECT, or flushes and drops what it wrote itself.
             buffered = None if disk_format == "raw" else ctx.cache
+            stamp(tensors)  # Note: [Every page differs]
             first = _store_round(store, tensors, what, buffered)
             if steady:
                 _drained(store)
-                stamp(tensors, 1)  # Note: [Every page differs]
+                stamp(tensors)
                 first.steady = _store_round(store, tensors, what + " (steady)", buffered)
             first.stats = store.stats().summary()
         return first
