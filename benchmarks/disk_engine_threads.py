@@ -69,7 +69,11 @@ def main() -> None:
             print(f"  {threads}  {w:.2f} / {r:.2f}")
     print("concurrent reads: GB/s")
     for _ in range(2):
-        print(f"  fio O_DIRECT read limit {measure_raw_limit(args.dir, 1 << 30).read_gbps:.2f}")
+        limit = measure_raw_limit(args.dir, 1 << 30)
+        if limit is None:
+            print("  no O_DIRECT read limit: dd with O_DIRECT failed in this directory")
+        else:
+            print(f"  fio O_DIRECT read limit {limit.read_gbps:.2f}")
         for threads, chunk in ((4, "8MiB"), (8, "8MiB"), (16, "4MiB"), (8, "2MiB")):
             speed = asyncio.run(_concurrent(args.dir, threads, chunk))
             print(f"  threads {threads} chunk {chunk}: {speed:.2f}")

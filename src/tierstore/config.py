@@ -158,7 +158,7 @@ def check_timeout(value: object, *, name: str, allow_none: bool = True) -> float
     try:
         seconds = float(value)
     except OverflowError:  # an int too big for a float
-        seconds = math.inf
+        seconds = math.inf if value > 0 else -math.inf  # type: ignore[operator]
     if math.isnan(seconds) or seconds <= 0:
         raise ConfigError(f"{name}={value!r}: must be a positive number of seconds{forever}")
     if seconds > MAX_TIMEOUT:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import mmap
 import os
 import threading
 import time
@@ -302,9 +303,11 @@ def test_close_hands_the_read_pools_buffers_back(make_store: MakeStore) -> None:
         assert torch.equal(store.get(h), t)
         store.release(h)
     wait_for(lambda: settled(store))
-    assert pool.mapped_bytes > 0
+    free = [m for maps in pool._free.values() for m in maps if isinstance(m, mmap.mmap)]
+    assert free and pool.mapped_bytes > 0
     store.close()
     assert pool.mapped_bytes == 0
+    assert all(m.closed for m in free), "a free read buffer is still mapped after close"
 
 
 def test_eio_on_prefetch_surfaces_at_get(make_store: MakeStore) -> None:

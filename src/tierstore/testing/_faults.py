@@ -147,6 +147,10 @@ class FaultyEngine(DiskEngine, register=False):
     async def close(self) -> None:
         await self.inner.close()
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: as the wrapped engine does."""
+        self.inner.forget_after_fork()
+
     def describe(self) -> dict[str, object]:
         return {**self.inner.describe(), "wrapped_by": self.name}
 

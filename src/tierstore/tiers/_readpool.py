@@ -233,8 +233,19 @@ class ReadPool:
                     self.mapped_bytes -= size
 
     def clear(self) -> None:
-        """Forget every buffer; buffers still used by tensors are unmapped when those die."""
+        """Unmap every free buffer and forget the busy ones, which are unmapped when their
+        tensors die."""
         with self._lock:
+            buffers: list[mmap.mmap | memoryview] = []
+            for maps in self._free.values():
+                buffers.extend(maps)
+            for slots in self._fresh.values():
+                buffers.extend(slots)
+            for buffer in buffers:
+                if isinstance(buffer, memoryview):
+                    buffer.release()
+                else:
+                    buffer.close()
             # New containers: a late callback appends to a list no one reads any more.
             self._free = {}
             self._fresh = {}
