@@ -408,6 +408,7 @@ def test_the_headline_shows_the_gpu_peak_when_the_run_was_on_a_gpu(tmp_path: Pat
     assert line.split()[3:5] == ["300", "500"]  # the GPU's peak, and what it saved
     host = Report([{k: v for k, v in r.items() if k != GPU_PEAK} for r in report.results], [])
     assert "peak RSS MiB" in bench.headline([], host)
+    assert "no raw disk limit" in text  # no raw-limit rows: the nan columns are explained
     pytest.importorskip("matplotlib")
     png = tmp_path / "s.png"
     plot_summary([], report.results, png, {"cpus": 2, "filesystem": "ext4"})

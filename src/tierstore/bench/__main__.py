@@ -162,6 +162,11 @@ def headline(disk: list[dict[str, Any]], report: train.Report, tool: object = No
             f"{limit} writing a new file)"
         )
     lines.append("first spill, into new space: " + "; ".join(first))
+    if not any(r["engine"].startswith("raw-limit") for r in disk):
+        lines.append(
+            "(no raw disk limit: neither fio nor dd could write this directory with O_DIRECT,"
+            " so the 'vs disk' columns read nan)"
+        )
     if limit == "dd":
         lines += [
             "(dd keeps one request in flight and the store several, so the store can pass it,",
