@@ -231,12 +231,7 @@ class Transfers:
                 st.seconds_from_disk += t1 - t0
             if any(not e.on_cpu for e in live):
                 st.seconds_to_device += t2 - t1
-            ready = self._record_fetched(results)
-            # The oldest entry whose get this task answers (None: it answers none).
-            answered = min(
-                (e.key for e, out in results if e.fetch_future is not None and e.fetched is out),
-                default=None,
-            )
+            ready, answered = self._record_fetched(results)
             results.clear()
             read_error.clear()
             core.plan_prefetch()  # keep the window full while the caller waits
@@ -293,11 +288,16 @@ class Transfers:
 
     def _record_fetched(
         self, results: list[tuple[Entry, torch.Tensor | Exception]]
-    ) -> list[tuple[cf.Future[torch.Tensor], torch.Tensor]]:
-        """Record each fetch's outcome (the store's lock held); the gets to answer."""
+    ) -> tuple[list[tuple[cf.Future[torch.Tensor], torch.Tensor]], int | None]:
+        """Record each fetch's outcome (the store's lock held).
+
+        Returns:
+            The gets to answer, and the key of the oldest of their entries (None: none).
+        """
         core = self._core
         st = core.counters
         ready: list[tuple[cf.Future[torch.Tensor], torch.Tensor]] = []
+        answered: int | None = None
         for e, out in results:
             fut = e.fetch_future
             if isinstance(out, Exception):
@@ -315,7 +315,8 @@ class Transfers:
             core.table.set_state(e, S.FETCHED)
             if fut is not None:
                 ready.append((fut, out))
-        return ready
+                answered = e.key if answered is None else min(answered, e.key)
+        return ready, answered
 
     def _read_buffer(self, e: Entry) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, data)``: what a disk read of ``e`` fills, and the entry's bytes in it.

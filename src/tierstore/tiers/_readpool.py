@@ -82,6 +82,15 @@ def _new_map(size: int) -> mmap.mmap:
     return m
 
 
+def _unmap(buffer: mmap.mmap | memoryview) -> None:
+    """Unmap a free buffer: a map of its own, or a slab's piece (the slab is unmapped once all
+    its pieces are let go)."""
+    if isinstance(buffer, memoryview):
+        buffer.release()
+    else:
+        buffer.close()
+
+
 class _Lease(weakref.ref[memoryview]):
     """A weak reference to the view a taken buffer's tensors hold; its death frees the buffer.
 
@@ -224,11 +233,7 @@ class ReadPool:
         for size in sorted(set(self._free) | set(self._fresh), reverse=True):
             for free in (self._fresh.get(size), self._free.get(size)):
                 while free and (self.mapped_bytes > limit or self.buffers > most):
-                    buffer = free.popleft()  # the longest free first
-                    if isinstance(buffer, memoryview):
-                        buffer.release()  # a slab is unmapped once all its pieces are let go
-                    else:
-                        buffer.close()
+                    _unmap(free.popleft())  # the longest free first
                     self.buffers -= 1
                     self.mapped_bytes -= size
 
@@ -236,16 +241,12 @@ class ReadPool:
         """Unmap every free buffer and forget the busy ones, which are unmapped when their
         tensors die."""
         with self._lock:
-            buffers: list[mmap.mmap | memoryview] = []
             for maps in self._free.values():
-                buffers.extend(maps)
+                for buffer in maps:
+                    _unmap(buffer)
             for slots in self._fresh.values():
-                buffers.extend(slots)
-            for buffer in buffers:
-                if isinstance(buffer, memoryview):
-                    buffer.release()
-                else:
-                    buffer.close()
+                for piece in slots:
+                    _unmap(piece)
             # New containers: a late callback appends to a list no one reads any more.
             self._free = {}
             self._fresh = {}

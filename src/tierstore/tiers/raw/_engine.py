@@ -12,9 +12,7 @@ the defaults.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -295,8 +293,7 @@ class RawEngine(DiskEngine):
     def forget_after_fork(self) -> None:
         """In a forked child: close the spill files' descriptors; the files stay the parent's."""
         for f in self._files:
-            with contextlib.suppress(OSError):
-                os.close(f.fd)
+            f.close_descriptor()
 
     def describe(self) -> dict[str, object]:
         """Direct I/O per directory, chunking, threads and checksum, for ``tierstore info``."""

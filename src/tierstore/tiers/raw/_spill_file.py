@@ -95,9 +95,13 @@ class SpillFile:
             # None only if the loop thread took the new space first; the caller tries again.
             return self.extents.alloc(nbytes)
 
-    def close(self) -> None:
-        """Close and remove the file (errors ignored: it is the process's own scratch)."""
+    def close_descriptor(self) -> None:
+        """Close the file's descriptor, leaving the file (errors ignored)."""
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+    def close(self) -> None:
+        """Close and remove the file (errors ignored: it is the process's own scratch)."""
+        self.close_descriptor()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
