@@ -146,10 +146,12 @@ class ZarrEngine(DiskEngine):
     def footprint(self, nbytes: int) -> int:
         """Chunk files padded to filesystem blocks, their 4-byte checksums, the padding of the
         last chunk (at most ``_WASTE_PER_CHUNK`` per chunk: Note: [Edge chunks are written
-        whole]), and the metadata."""
+        whole]), the metadata, and the array's directory (a block per 64 chunk files: every
+        chunk file lies in it, Note: [Chunk files side by side])."""
         chunks = max(1, math.ceil(nbytes / self.config.io_chunk_bytes))
         per_chunk = 4 + _WASTE_PER_CHUNK
-        return -(-(nbytes + per_chunk * chunks) // 4096) * 4096 + 4096 * chunks + 4096
+        directory = 4096 * (1 + chunks // 64)
+        return -(-(nbytes + per_chunk * chunks) // 4096) * 4096 + 4096 * chunks + 4096 + directory
 
     async def write(
         self,
@@ -268,6 +270,8 @@ class ZarrEngine(DiskEngine):
             filters=None,
             compressors=[Crc32cCodec()] if self.config.checksum == "crc32c" else None,
             fill_value=0,
+            # Note: [Chunk files side by side]
+            chunk_key_encoding={"name": "default", "separator": "."},
             attributes={
                 "torch_dtype": str(dtype) if dtype is not None else "torch.uint8",
                 "shape": list(shape) if shape is not None else [int(src.numel())],
@@ -348,6 +352,14 @@ def _too_padded(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int) 
     count = math.ceil(rows / first)
     waste = (count * first - rows) * math.prod(shape[1:]) * itemsize
     return waste > _WASTE_PER_CHUNK * count
+
+
+# Note: [Chunk files side by side]
+#     zarr's default chunk keys nest chunk files in a directory per index: an array of
+#     three dimensions chunked along the first put each chunk in ``c/<i>/0/``, two
+#     directories of a filesystem block each per chunk that ``footprint`` did not count.
+#     Keys joined by "." (``c.<i>.0.0``) put every chunk file in the array's own directory,
+#     whose blocks ``footprint`` counts.
 
 
 def _make_private(path: Path) -> None:
