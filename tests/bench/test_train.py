@@ -121,6 +121,8 @@ def test_a_workers_warnings_reach_the_caller(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     warned = [x for x in proc.stderr.splitlines() if "stored nothing" in x]
     assert len(warned) == 1 and warned[0].startswith("[ts_disk] ")  # once over the rounds
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["config"]["rounds"] for r in rows] == [2]
 
 
 def test_a_mode_wrong_only_in_the_timed_steps_is_refused(tmp_path: Path) -> None:
@@ -220,3 +222,30 @@ def test_on_a_gpu_the_table_measures_the_gpus_peak() -> None:
     text = table(rows)
     assert "fwd GPU MiB" in text.splitlines()[0]
     assert text.splitlines()[3].split()[7] == "2164"
+
+
+def test_combine_takes_the_median_of_every_rounds_figure_and_records_the_run() -> None:
+    """Offloaded bytes, waits and the store's peaks were the last round's alone, and every
+    result's recorded configuration said ``rounds: 1, busy: False`` (the options the
+    workers are not given)."""
+    from tierstore.bench.train import combine
+
+    def worker(step: float, offloaded: int, wait: float) -> dict[str, object]:
+        return {
+            "step_s": [step, step],
+            "cpu_s": [step, step],
+            "peak_rss_bytes": offloaded,
+            "offloaded_bytes_per_step": offloaded,
+            "get_wait_s_per_step": wait,
+            "store_host_peak_bytes": offloaded,
+            "config": {"rounds": 1, "busy": False, "layers": 8},
+        }
+
+    rounds = [worker(1.0, 100, 0.5), worker(3.0, 300, 0.1), worker(2.0, 900, 0.2)]
+    result = combine(rounds, rounds=3, busy=True)
+    assert result["step_s_median"] == 2.0 and result["rounds"] == 3
+    assert result["offloaded_bytes_per_step"] == 300
+    assert result["offloaded_bytes_per_step_rounds"] == [100, 300, 900]
+    assert result["get_wait_s_per_step"] == 0.2
+    assert result["store_host_peak_bytes"] == 300
+    assert result["config"] == {"rounds": 3, "busy": True, "layers": 8}

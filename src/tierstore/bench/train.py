@@ -395,7 +395,8 @@ def measure(argv: list[str], progress: Callable[[str], None] | None = None) -> R
         if differ:
             why[mode] = " and ".join(differ)
     wrong = list(why)
-    results = [combine(runs[mode]) for mode in modes if mode not in wrong]
+    unforwarded = {"rounds": args.rounds, "busy": args.busy}
+    results = [combine(runs[mode], **unforwarded) for mode in modes if mode not in wrong]
     return Report(results, wrong, why, list(warnings))
 
 
@@ -417,21 +418,45 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if report.wrong else 0
 
 
-def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result per mode: median step over all rounds' steps, median of the rounds' peaks."""
-    result = dict(rounds[-1])
-    times = [t for r in rounds for t in r["step_s"]]
-    cpu = [t for r in rounds for t in r["cpu_s"]]
-    result["rounds"] = len(rounds)
+_PER_ROUND = (
+    "peak_rss_bytes",
+    "rss_before_bytes",
+    "ru_maxrss_bytes",
+    GPU_PEAK,
+    FORWARD_PEAK,
+    "offloaded_bytes_per_step",
+    "offloaded_tensors_per_step",
+    "bytes_to_disk_per_step",
+    "spilled_tensors_per_step",
+    "bytes_from_disk_per_step",
+    "get_wait_s_per_step",
+    "put_wait_s_per_step",
+    "store_device_peak_bytes",
+    "store_host_peak_bytes",
+)
+"""A worker's figures that :func:`combine` reports as the median of the rounds' (each
+round's kept beside it, under the key with ``_rounds`` added)."""
+
+
+def combine(runs: list[dict[str, Any]], /, **config: Any) -> dict[str, Any]:
+    """One result per mode: median step over all rounds' steps, and of every figure in
+    ``_PER_ROUND`` the median of the rounds'. ``config`` (the options the workers were not
+    given, such as ``rounds`` and ``busy``) is added to the recorded configuration."""
+    result = dict(runs[-1])
+    result["config"] = {**result.get("config", {}), **config}
+    times = [t for r in runs for t in r["step_s"]]
+    cpu = [t for r in runs for t in r["cpu_s"]]
+    result["rounds"] = len(runs)
     result["step_s"] = times
     result["step_s_median"] = statistics.median(times)
     result["cpu_s"] = cpu
     result["cpu_s_median"] = statistics.median(cpu)
-    for key in ("peak_rss_bytes", "rss_before_bytes", "ru_maxrss_bytes", GPU_PEAK, FORWARD_PEAK):
+    for key in _PER_ROUND:
         if key not in result:
             continue
-        result[key] = int(statistics.median(r[key] for r in rounds))
-        result[key + "_rounds"] = [r[key] for r in rounds]
+        median = statistics.median(r[key] for r in runs)
+        result[key] = median if isinstance(result[key], float) else int(median)
+        result[key + "_rounds"] = [r[key] for r in runs]
     return result
 
 
