@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierstore.tiers import _readpool
 from tierstore.tiers._readpool import ReadPool
 
 MiB = 1 << 20
@@ -164,6 +165,32 @@ def test_a_tensor_dying_after_clear_does_not_come_back() -> None:
     gc.collect()
     assert pool.take(3 * MiB) is not None
     assert pool.created == 2 and pool.reused == 0 and pool.mapped_bytes == 3 * MiB
+
+
+def test_a_tensor_dying_while_clear_runs_has_its_buffer_unmapped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor dies on another thread while ``clear`` unmaps the free buffers: its buffer
+    went back into the free list being iterated ("deque mutated during iteration", and the
+    store's close failed), or, after the lists were swapped, stayed mapped. Here the death
+    comes from inside the first unmap, as a thread switch would put it."""
+    pool = ReadPool(keep_bytes=64 * MiB)
+    first, second = pool.take(3 * MiB), pool.take(3 * MiB)
+    assert first is not None and second is not None
+    busy_address = second[0].data_ptr()
+    del first  # free
+    held = [second]
+    del second
+    real = _readpool._unmap
+
+    def unmap_then_a_tensor_dies(buffer: object) -> None:
+        real(buffer)  # type: ignore[arg-type]
+        held.clear()
+
+    monkeypatch.setattr(_readpool, "_unmap", unmap_then_a_tensor_dies)
+    pool.clear()
+    assert not held and not _mapped(busy_address)
+    assert pool.mapped_bytes == 0 and pool.buffers == 0
 
 
 # -- Note: [Small buffers share huge pages] ---------------------------------------------------

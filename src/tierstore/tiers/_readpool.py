@@ -104,8 +104,19 @@ class _Lease(weakref.ref[memoryview]):
     __eq__ = object.__eq__
 
     buffer: mmap.mmap | memoryview
-    free: deque[mmap.mmap | memoryview]
+    free: deque[mmap.mmap | memoryview] | _Unmapper
     busy: set[_Lease]
+
+
+class _Unmapper:
+    """Where the buffers of a cleared pool go when their tensors die: unmapped at once."""
+
+    @staticmethod
+    def append(buffer: mmap.mmap | memoryview) -> None:
+        _unmap(buffer)
+
+
+_UNMAPPER = _Unmapper()
 
 
 def _handed_back(lease: _Lease) -> None:
@@ -238,18 +249,22 @@ class ReadPool:
                     self.mapped_bytes -= size
 
     def clear(self) -> None:
-        """Unmap every free buffer and forget the busy ones, which are unmapped when their
-        tensors die."""
+        """Unmap every free buffer now, and every busy one when its tensors die."""
         with self._lock:
-            for maps in self._free.values():
-                for buffer in maps:
-                    _unmap(buffer)
-            for slots in self._fresh.values():
-                for piece in slots:
-                    _unmap(piece)
-            # New containers: a late callback appends to a list no one reads any more.
-            self._free = {}
-            self._fresh = {}
-            self._busy = set()
+            free, fresh, busy = self._free, self._fresh, self._busy
+            self._free, self._fresh, self._busy = {}, {}, set()
             self.buffers = 0
             self.mapped_bytes = 0
+            # A tensor dying on another thread hands its buffer back without the lock
+            # (``_handed_back``): from now on to the unmapper, and until then into the free
+            # lists, which are emptied one buffer at a time (iterating one while another
+            # thread appended raised "deque mutated during iteration", and the store's close
+            # failed with it).
+            for lease in list(busy):
+                lease.free = _UNMAPPER
+            for maps in free.values():
+                while maps:
+                    _unmap(maps.popleft())
+            for slots in fresh.values():
+                while slots:
+                    _unmap(slots.popleft())
