@@ -640,6 +640,9 @@ def test_handles_of_another_store_are_rejected(make_store: MakeStore) -> None:
     with pytest.raises(TensorReleasedError, match="not in this store"):
         b.get(h)
     assert torch.equal(b.get(hb), torch.zeros(3))
+    a.release(h)
+    with pytest.raises(TensorReleasedError, match="not in this store"):
+        b.release(h)  # released in its own store; still not this store's (was silent)
 
 
 def test_release_during_a_spill_frees_everything(make_store: MakeStore) -> None:
@@ -1201,3 +1204,105 @@ def test_what_is_not_a_handle_is_a_type_error(make_store: MakeStore, call: str) 
             getattr(store, call)(bad)
     with pytest.raises(TypeError, match="expected a TensorHandle from put"):
         store.prefetch([None])  # type: ignore[list-item]
+
+
+def test_a_put_waiting_for_its_spill_holds_its_disk_room(disk_dir: Path) -> None:
+    """Note: [Room for a put]: a put admitted while the save semaphore held its spill back
+    rests in host memory with no disk room reserved yet. Counting only the disk's free room,
+    the next put (another thread's) was admitted too, and the store held twice what its
+    disk tier could take: host bytes past a host tier of 0, kept there as if the disk were
+    full. Now that put raises TierFullError."""
+    store = tierstore.TieredStore(
+        disk_dir=disk_dir,
+        device_bytes=0,
+        host_bytes=0,
+        disk_bytes=9 * MiB,
+        max_inflight_bytes=4 * MiB,
+        min_bytes=0,
+        timeout=30,
+    )
+    faulty = install_faults(store)
+    faulty.write_delay = 0.5
+    ts = [torch.full((MiB,), float(i)) for i in range(3)]  # 4 MiB each, over a pack
+    first = store.put(ts[0])  # spilling, and the semaphore is full
+    waited: list[tierstore.TensorHandle] = []
+    behind = threading.Thread(target=lambda: waited.append(store.put(ts[1])))
+    behind.start()  # admitted, then waits for the first spill to end
+    wait_for(lambda: store.stats().live_entries == 2)
+    with pytest.raises(tierstore.TierFullError, match="no tier has room"):
+        store.put(ts[2])
+    behind.join()
+    wait_for(lambda: settled(store))
+    stats = store.stats()
+    assert stats.host.bytes == 0 and stats.kept_no_room == 0
+    for h, t in zip((first, *waited), ts, strict=False):
+        assert store.tier_of(h) is tierstore.Tier.DISK
+        assert torch.equal(store.get(h), t)
+    store.close()
+
+
+def test_the_entry_backward_needs_next_is_fetched_even_if_its_spill_was_in_flight(
+    disk_dir: Path,
+) -> None:
+    """Note: [An entry on its way down]: backward began while the last two spills were in
+    flight. The walk at the first get passed the second newest (still spilling) and fetched
+    the older ones, then resumed below them: the get of the second newest, the very next
+    one, read it from disk itself."""
+    store = tierstore.TieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=0, prefetch_bytes="64MiB", min_bytes=0
+    )
+    faulty = install_faults(store)
+    ts = [torch.full((MiB,), float(i)) for i in range(10)]  # 4 MiB each: written in chunks
+    hs = [store.put(t) for t in ts[:8]]
+    wait_for(lambda: settled(store))
+    faulty.write_delay = 0.5
+    hs += [store.put(t) for t in ts[8:]]
+    misses = []
+    for i in reversed(range(10)):
+        before = store.stats().prefetch_misses
+        assert torch.equal(store.get(hs[i]), ts[i])
+        if store.stats().prefetch_misses > before:
+            misses.append(i)
+        if i == 9:
+            wait_for(lambda: store.stats().inflight_bytes == 0)  # tensor 8 is on disk now
+    assert misses == [], misses
+    store.close()
+
+
+def test_a_tensor_kept_for_lack_of_room_is_counted_once(disk_dir: Path) -> None:
+    """``kept_no_room`` counts tensors: it counted every cascade that found no room for the
+    same tensor, so five puts later one kept tensor read as six."""
+    nbytes = MiB - 4  # its spill takes whole pages: a little more than the disk tier allows
+    store = tierstore.TieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=0, disk_bytes=nbytes + 2, min_bytes=0
+    )
+    t = torch.randn(nbytes // 4)
+    h = store.put(t)
+    wait_for(lambda: settled(store))
+    assert store.tier_of(h) is tierstore.Tier.HOST
+    assert store.stats().kept_no_room == 1
+    for _ in range(5):  # each put runs the cascade, which finds no room for it again
+        store.release(store.put(torch.ones(0)))  # empty: stored in place, never refused
+    assert store.stats().kept_no_room == 1
+    assert torch.equal(store.get(h), t)
+    store.close()
+
+
+def test_prefetch_brings_back_a_tensor_bigger_than_the_window_once_it_is_empty(
+    disk_dir: Path,
+) -> None:
+    """``prefetch([h])`` follows the walk's rule (Note: [A tensor bigger than the window]):
+    the tensor comes alone when nothing else is fetched. It stayed on disk."""
+    store = tierstore.TieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=0, prefetch_bytes="2MiB", min_bytes=0
+    )
+    t = torch.randn(MiB)  # 4 MiB, twice the window
+    h = store.put(t)
+    wait_for(lambda: settled(store))
+    assert store.tier_of(h) is tierstore.Tier.DISK
+    store.prefetch([h])
+    wait_for(lambda: store.state_of(h) is tierstore.TensorState.FETCHED)
+    before = store.stats().prefetch_hits
+    assert torch.equal(store.get(h), t)
+    assert store.stats().prefetch_hits == before + 1
+    store.close()

@@ -138,7 +138,8 @@ class StoreStats:
     inflight_bytes: int
     """Bytes moving down right now (bounded by max_inflight_bytes)."""
     kept_no_room: int
-    """Tensors that stayed where they were because no tier had room."""
+    """Tensors that stayed where they were because no tier had room, each counted once
+    however often the cascade found no room for it."""
     skipped: Mapping[str, int] = field(default_factory=dict)
     """Tensors an adapter did not offload, by reason."""
     skipped_bytes: Mapping[str, int] = field(default_factory=dict)
@@ -211,7 +212,7 @@ class StepStats:
     prefetch_misses: int = 0
     """Gets that had to start the copy themselves."""
     kept_no_room: int = 0
-    """Tensors that stayed where they were because no tier had room."""
+    """Tensors that stayed where they were because no tier had room, each counted once."""
     skipped: Mapping[str, int] = field(default_factory=dict)
     """Tensors adapters left in place, by reason (only reasons seen in the step)."""
     skipped_bytes: Mapping[str, int] = field(default_factory=dict)

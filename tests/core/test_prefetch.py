@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tierstore.core._prefetch import SCAN_LIMIT, STEP, PrefetchWalk, newest_first_within
+from tierstore.core._prefetch import PENDING, SCAN_LIMIT, STEP, PrefetchWalk, newest_first_within
 
 
 def _sizes(on_disk: dict[int, int]) -> Callable[[int], int | None]:
@@ -79,6 +79,15 @@ def test_chosen_handles_come_newest_first_until_one_does_not_fit() -> None:
     assert newest_first_within(asked, budget=54) == [7, 5, 3]
 
 
+def test_a_chosen_handle_bigger_than_the_window_comes_alone_once_the_window_is_empty() -> None:
+    """As the walk does (Note: [A tensor bigger than the window]): ``store.prefetch`` of a
+    tensor bigger than the window never fetched it."""
+    asked = [(4, 100), (2, 10)]
+    assert newest_first_within(asked, budget=50) == []
+    assert newest_first_within(asked, budget=50, window_empty=True) == [4]
+    assert newest_first_within([(2, 10), (4, 100)], budget=0, window_empty=True) == []
+
+
 def test_an_entry_bigger_than_the_window_is_fetched_alone_once_the_window_is_empty() -> None:
     """Note: [A tensor bigger than the window]."""
     keys = [1, 2, 3, 4, 5]
@@ -97,3 +106,22 @@ def test_an_entry_bigger_than_the_window_is_fetched_alone_once_the_window_is_emp
     walk = PrefetchWalk()
     walk.cursor = 5
     assert walk.plan(keys, _sizes({4: 128}), budget=0, window_empty=True) == []
+
+
+def test_an_entry_still_on_its_way_down_is_fetched_once_it_lands() -> None:
+    """Note: [An entry on its way down]: the walk passed entry 9 (its spill in flight) and
+    resumed below the older ones it fetched, so 9, the entry backward needed next, was never
+    brought back ahead."""
+    keys = list(range(1, 11))
+    sizes: dict[int, int] = dict.fromkeys(range(1, 9), 10)
+    sizes[9] = PENDING
+    walk = PrefetchWalk()
+    walk.cursor = 10
+    assert walk.plan(keys, _sizes(sizes), budget=1000) == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert not walk.exhausted  # 9 is still to come
+    for key in range(1, 9):
+        del sizes[key]  # fetching
+    sizes[9] = 10  # its spill ended: on disk now
+    assert walk.plan(keys, _sizes(sizes), budget=1000) == [9]
+    assert walk.plan(keys, _sizes({}), budget=1000) == []
+    assert walk.exhausted

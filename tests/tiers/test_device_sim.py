@@ -409,6 +409,73 @@ def test_a_failing_copy_of_an_unchanged_tensor_pauses_copies_instead_of_looping(
         assert torch.equal(on_host(store.get(h)), want)
 
 
+def test_a_put_after_a_failed_copy_waits_for_no_copy_that_never_started(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While copies are paused after a failed one, the cascade plans copies it does not
+    start; a plan blocked behind them (past ``max_inflight_bytes``) made the next put wait
+    for a move that would never end to wake it: its whole timeout, then StoreTimeoutError."""
+    from tierstore.core import _transfers
+
+    real_copy = _transfers.copy_to_host
+
+    async def refused(src: torch.Tensor, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("pinned and pageable memory both refused")
+
+    monkeypatch.setattr(_transfers, "copy_to_host", refused)
+    first, want = produced("cuda:0", "contiguous", seed=20)
+    nbytes = first.numel() * first.element_size()
+    store = env.store("host", max_inflight_bytes=nbytes, timeout=5)
+    h1 = store.put(first)
+    assert rests(store, h1) is Tier.DEVICE  # its copy failed; copies are paused
+    monkeypatch.setattr(_transfers, "copy_to_host", real_copy)  # the failure passed
+    started = time.monotonic()
+    h2 = store.put(produced("cuda:0", "contiguous", seed=21)[0])
+    assert time.monotonic() - started < 2.0
+    assert store.state_of(h1) is tierstore.TensorState.DEVICE  # moved once the pause ends
+    time.sleep(_transfers.COPY_RETRY_SECONDS)
+    store.put(produced("cuda:0", "contiguous", seed=22)[0])
+    assert rests(store, h1) is Tier.HOST and rests(store, h2) is Tier.HOST
+    assert torch.equal(on_host(store.get(h1)), want)
+
+
+def test_device_entries_waiting_for_a_copy_count_against_the_host_tiers_room(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [Room for a put]: entries left on the device past ``device_bytes`` (copies
+    paused after a failure) land in the host tier when copies resume. Counting only the host
+    tier's free room admitted every put meanwhile, and the host tier then held six tensors
+    against room for two; now a put beyond what the tiers below can take raises
+    TierFullError, and the host tier never passes its capacity."""
+    from tierstore.core import _transfers
+
+    real_copy = _transfers.copy_to_host
+
+    async def refused(src: torch.Tensor, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("pinned and pageable memory both refused")
+
+    monkeypatch.setattr(_transfers, "copy_to_host", refused)
+    made = [produced("cuda:0", "contiguous", seed=30 + i) for i in range(6)]
+    nbytes = made[0][0].numel() * made[0][0].element_size()
+    store = env.store("host", host_bytes=2 * nbytes, disk_bytes=0)
+    kept, refusals = [], 0
+    for t, want in made:
+        try:
+            kept.append((store.put(t), want))
+        except tierstore.TierFullError:
+            refusals += 1
+    assert len(kept) == 2 and refusals == 4
+    monkeypatch.setattr(_transfers, "copy_to_host", real_copy)
+    time.sleep(_transfers.COPY_RETRY_SECONDS)
+    with pytest.raises(tierstore.TierFullError):
+        store.put(produced("cuda:0", "contiguous", seed=40)[0])  # runs the cascade too
+    for h, _ in kept:
+        assert rests(store, h) is Tier.HOST
+    assert store.stats().host.peak_bytes <= 2 * nbytes
+    for h, want in kept:
+        assert torch.equal(on_host(store.get(h)), want)
+
+
 def test_an_unlimited_host_tier_pins_what_it_holds(env: Env) -> None:
     """Note: [Pinned as needed, in power-of-two pieces]: a store whose host tier is
     "unlimited" once pinned all of the machine's memory at its first copy (on an H200 that

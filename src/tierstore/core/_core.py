@@ -31,7 +31,7 @@ from tierstore.core._disk_tier import open_disk_tier
 from tierstore.core._entries import Entry, EntryTable
 from tierstore.core._handles import Handles
 from tierstore.core._handoff import HandOff
-from tierstore.core._prefetch import PrefetchWalk, newest_first_within
+from tierstore.core._prefetch import PENDING, PrefetchWalk, newest_first_within
 from tierstore.core._reads import read_now
 from tierstore.core._save_semaphore import SaveSemaphore
 from tierstore.core._steps import Steps
@@ -151,6 +151,9 @@ class StoreCore:
             nbytes = t.numel() * t.element_size()
             movable = nbytes >= self.config.min_bytes and nbytes > 0
             if movable and nbytes > self._free_room():
+                # What waits for room (copies paused after a failure) is tried again all
+                # the same: every put runs the cascade.
+                self.cascade()
                 raise _moves.tier_full(self, nbytes, t.dtype)
             e = Entry(next(self._keys), t, movable)
             e.ready = ready
@@ -172,11 +175,24 @@ class StoreCore:
             return handle, self.semaphore.waiter()
 
     def _free_room(self) -> int:
+        """Bytes a put may add: each tier's room less what waits above it for that room.
+
+        Note: [Room for a put]
+            Entries over a tier's capacity whose move is held back (by the save semaphore,
+            or by copies paused after a failure) have no room reserved below yet, but will
+            take it: device entries over ``device_bytes`` land in the host tier, and host
+            entries over ``host_bytes`` on disk. Counting only each tier's free room, puts
+            from several threads (each admitted before it waits) filled the host tier
+            several tensors past its capacity and the disk tier past its own, where a put
+            should have raised ``TierFullError``.
+        """
         cfg, table = self.config, self.table
-        dev = max(0, cfg.device_bytes - table.resting[Tier.DEVICE])
-        host = max(0, cfg.host_bytes - table.used[Tier.HOST] - table.host_reserved)
-        disk = self.disk.room(table.used[Tier.DISK])
-        return min(dev + host + disk, (1 << 63) - 1)
+        dev_over = table.resting[Tier.DEVICE] - cfg.device_bytes
+        host = cfg.host_bytes - table.used[Tier.HOST] - table.host_reserved - max(0, dev_over)
+        host_load = table.resting[Tier.HOST] + table.host_reserved + max(0, dev_over)
+        disk = self.disk.room(table.used[Tier.DISK]) - max(0, host_load - cfg.host_bytes)
+        room = max(0, -dev_over) + max(0, host) + max(0, disk)
+        return min(room, (1 << 63) - 1)
 
     def cascade(self, new: Entry | None = None) -> None:
         """Plan the cascade and carry it out (Note: [The cascade]).
@@ -272,7 +288,7 @@ class StoreCore:
             wanted = [self.handles.lookup(self.table.entries, h) for h in handles]
             budget = self.config.prefetch_bytes - self.table.window
             sizes = ((e.key, e.nbytes) for e in wanted if e.needs_fetch())
-            for key in newest_first_within(sizes, budget):
+            for key in newest_first_within(sizes, budget, self.table.window == 0):
                 self.start_fetch(self.table.entries[key])
 
     def plan_prefetch(self) -> None:
@@ -288,7 +304,9 @@ class StoreCore:
 
     def _fetch_size(self, key: int) -> int | None:
         e = self.table.entries[key]
-        return e.nbytes if e.needs_fetch() else None
+        if e.needs_fetch():
+            return e.nbytes
+        return PENDING if e.moving_down() else None
 
     # ------------------------------------------------------------------ release
 
@@ -302,7 +320,7 @@ class StoreCore:
         check_handle(handle)
         with self.lock:
             self.drain_dropped()
-            if handle._released:
+            if handle._released and handle._owner == self.handles.token:
                 return
             e = self.handles.lookup(self.table.entries, handle)
             handle._released = True

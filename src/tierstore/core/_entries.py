@@ -49,6 +49,7 @@ class Entry:
         "fetched",
         "handle_ref",
         "host",
+        "kept",
         "key",
         "movable",
         "nbytes",
@@ -96,6 +97,9 @@ class Entry:
         accelerator]). None on the CPU."""
         self.error: BaseException | None = None
         self.handle_ref: HandleRef | None = None
+        self.kept = False
+        """Counted in ``kept_no_room`` already: the cascade meets it at every pass while
+        the disk has no room, and it counts once."""
 
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.shape) or "scalar"
@@ -121,6 +125,13 @@ class Entry:
         fresh = type(err)(*err.args)
         fresh.__cause__ = err.__cause__
         return fresh
+
+    def moving_down(self) -> bool:
+        """Whether it is on its way to where a prefetch would fetch it from: spilling, or an
+        accelerator tensor being copied to host memory."""
+        return self.state is S.MOVING_TO_DISK or (
+            self.state is S.MOVING_TO_HOST and not self.on_cpu
+        )
 
     def needs_fetch(self) -> bool:
         """Whether a prefetch would bring it closer: on disk, or an accelerator tensor in host

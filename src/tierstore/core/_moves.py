@@ -78,7 +78,10 @@ def cascade(core: StoreCore, new: Entry | None) -> None:
         if spills.kept is not None:
             _note_no_room(core, spills.kept)
         blocked = blocked or spills.blocked
-    semaphore.settle(blocked)
+    # Only a move in flight wakes a waiting put when it ends. A plan blocked behind copies it
+    # did not start (paused after a failed copy) has none: that put would wait its whole
+    # timeout. It goes on instead, and the next put, get or release runs the cascade again.
+    semaphore.settle(blocked and semaphore.inflight > 0)
 
 
 def tier_full(core: StoreCore, nbytes: int, dtype: torch.dtype) -> TierFullError:
@@ -160,7 +163,9 @@ def _host_copy_failed(core: StoreCore, e: Entry, exc: BaseException, new: Entry 
 
 
 def _note_no_room(core: StoreCore, e: Entry) -> None:
-    core.counters.kept_no_room += 1
+    if not e.kept:
+        e.kept = True
+        core.counters.kept_no_room += 1
     if not core.warned_no_room:
         core.warned_no_room = True
         log.warning(

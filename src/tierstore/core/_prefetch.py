@@ -24,6 +24,14 @@ Note: [A tensor bigger than the window]
     maps of 128 MiB against a 32 MiB window were a quarter of a backward's gets and all of
     its waits, docs/performance.md). So when the window is empty the walk starts such an
     entry alone: at most one tensor over the window, the one backward needs next.
+
+Note: [An entry on its way down]
+    When backward begins, the last activations of forward are often still being written to
+    disk. The walk cannot fetch such an entry yet and goes on to older ones; had it resumed
+    below them, it would never have come back to it, and the get of the very entry backward
+    needed next read it from disk itself while older ones sat fetched. So the walk resumes
+    at the newest entry it passed on its way down, and the end of a spill runs the walk
+    again.
 """
 
 from __future__ import annotations
@@ -34,7 +42,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["SCAN_LIMIT", "STEP", "PrefetchWalk", "newest_first_within"]
+__all__ = ["PENDING", "SCAN_LIMIT", "STEP", "PrefetchWalk", "newest_first_within"]
+
+PENDING = -1
+"""What ``fetch_size`` says of an entry still on its way down (its spill, or its copy to the
+host tier, in flight): nothing to fetch yet, but soon (Note: [An entry on its way down])."""
 
 SCAN_LIMIT = 4096
 """A walk looks at most this many older entries, so one get never walks a huge table."""
@@ -71,7 +83,8 @@ class PrefetchWalk:
         Args:
             live_keys: every live key, ascending.
             fetch_size: an entry's bytes if it needs fetching (on disk, or an accelerator
-                tensor in host memory), else None.
+                tensor in host memory), ``PENDING`` if it will once its move down ends,
+                else None.
             budget: bytes the window has left (0 or less: plan nothing).
             window_empty: nothing is fetched or being fetched, so the first entry may be
                 bigger than ``budget`` (Note: [A tensor bigger than the window]).
@@ -88,10 +101,13 @@ class PrefetchWalk:
         i = bisect.bisect_left(live_keys, start) - 1
         scanned = 0
         chosen: list[int] = []
+        pending: int | None = None
         while i >= 0 and scanned < SCAN_LIMIT:
             key = live_keys[i]
             nbytes = fetch_size(key)
-            if nbytes is not None:
+            if nbytes == PENDING:
+                pending = key if pending is None else pending
+            elif nbytes is not None:
                 if len(chosen) == STEP or (nbytes > budget and (chosen or not window_empty)):
                     break
                 # One bigger than the window comes alone: the budget goes below zero.
@@ -101,17 +117,23 @@ class PrefetchWalk:
             scanned += 1
         self.steps += scanned
         self._walked_from = self.cursor
-        # Resume at the entry that did not fit (or below the last one looked at).
+        # Resume at the entry that did not fit (or below the last one looked at), or at the
+        # newest passed on its way down (Note: [An entry on its way down]).
         self._resume_at = live_keys[i] + 1 if i >= 0 else 0
+        if pending is not None:
+            self._resume_at = pending + 1
         return chosen
 
 
-def newest_first_within(sizes: Iterable[tuple[int, int]], budget: int) -> list[int]:
+def newest_first_within(
+    sizes: Iterable[tuple[int, int]], budget: int, window_empty: bool = False
+) -> list[int]:
     """Of ``(key, nbytes)`` pairs a caller asked to prefetch, the keys that fit in ``budget``
-    bytes, newest first; the first that does not fit ends the list."""
+    bytes, newest first; the first that does not fit ends the list, unless it is the first
+    and the window is empty (Note: [A tensor bigger than the window]): it comes alone."""
     chosen: list[int] = []
     for key, nbytes in sorted(dict(sizes).items(), reverse=True):
-        if nbytes > budget:
+        if nbytes > budget and (chosen or not window_empty or budget <= 0):
             break
         budget -= nbytes
         chosen.append(key)

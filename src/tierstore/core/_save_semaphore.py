@@ -6,8 +6,10 @@ Note: [The save semaphore]
     ``max_inflight_bytes``, the cascade stops there and ``put`` waits until a move ends and the
     backlog has started moving; an empty semaphore takes any move, so a tensor bigger than the
     limit still moves. So the forward pass cannot outrun the disk: host memory holds at most
-    its capacity plus the bytes in flight. ``put`` never fails for this; the time it waited
-    shows in ``stats().put_wait_seconds``.
+    its capacity plus the bytes in flight, plus the tensor of each put that waits (a put is
+    admitted, then waits). ``put`` never fails for this; the time it waited shows in
+    ``stats().put_wait_seconds``. Only a move in flight wakes the waiting puts when it ends,
+    so the cascade marks the semaphore full only while one is.
 """
 
 from __future__ import annotations

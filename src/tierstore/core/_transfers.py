@@ -109,6 +109,7 @@ class Transfers:
                 e.version = None  # the host copy is the store's own
                 core.table.set_state(e, S.HOST)
             core.cascade()
+            core.plan_prefetch()  # Note: [An entry on its way down]
 
     async def spill_many(self, entries: list[Entry]) -> None:
         """Write entries to disk, in one engine call (Note: [Batched hand-offs])."""
