@@ -540,7 +540,10 @@ def test_no_room_keeps_the_tensor_counts_and_warns_once(store_factory: StoreFact
         pytest.warns(RuntimeWarning, match="no tier had room") as record,
     ):
         got = train_steps(store)
-    assert len([w for w in record if "no tier had room" in str(w.message)]) == 1
+    said = [str(w.message) for w in record if "no tier had room" in str(w.message)]
+    assert len(said) == 1
+    # The caller's tensor (the first saved, token ids), not the byte view the adapters put.
+    assert "int64 tensor on cpu (device 0 B" in said[0] and "uint8" not in said[0], said[0]
     nothing = [str(w.message) for w in outer if "stored nothing" in str(w.message)]
     assert len(nothing) == 1 and "no room" in nothing[0] and "TIERSTORE_HOST_BYTES" in nothing[0]
     assert_equal_tensors(expected, got)

@@ -399,3 +399,66 @@ def test_offloading_context_is_the_one_line_swap_for_trl_and_torchtune(tmp_path:
         assert not model.lm_head._forward_pre_hooks and not model.lm_head._forward_hooks
     # The head's saved input (the final hidden states, 2 MiB) stays in place when kept.
     assert put[False] - put[True] >= 2 * 1024 * 256 * 4
+
+
+def test_a_model_wrapped_by_peft_before_enabling_keeps_tierstores_checkpoint(
+    store: tierstore.TieredStore,
+) -> None:
+    """Note: [A wrapped model]: enabled on a ``PeftModel``, the guards passed (it forwards
+    them to the model it wraps) but no method was replaced on its class, so the Trainer's
+    ``activation_checkpointing_enable`` put torch's checkpoint back on every layer and the
+    store received nothing, silently. The replacements now go on the wrapped model."""
+    peft = pytest.importorskip("peft")
+    model = tiny_llama(dropout=0.2)
+    ids = torch.randint(0, 128, (2, 24))
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    wrapped = peft.get_peft_model(model, lora)
+    expected = step_grads(wrapped, ids)
+    enable_offloaded_checkpointing(wrapped, store)
+    # What the Trainer calls when its own switch is on.
+    name = "activation" if HAS_ACTIVATION_NAMES else "gradient"
+    getattr(wrapped, f"{name}_checkpointing_enable")()
+    assert checkpointing_on(model)
+    got = step_grads(wrapped, ids, store)
+    assert len(got) == len(expected) > 0
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    assert store.stats().puts > 0 and store.stats().bytes_from_disk > 0
+    getattr(wrapped, f"{name}_checkpointing_disable")()
+    assert not checkpointing_on(model)
+
+
+@pytest.mark.parametrize("bad", [0, -1, None, "2", True, 1.5])
+def test_every_n_layers_must_be_a_positive_integer(
+    store: tierstore.TieredStore, bad: object
+) -> None:
+    """0 raised ZeroDivisionError from inside transformers with the first layer switched on
+    and the others not; -1 checkpointed every layer; None and "2" a bare TypeError."""
+    model = tiny_llama(layers=4)
+    with pytest.raises(ValueError, match=f"every_n_layers={bad!r}"):
+        enable_offloaded_checkpointing(model, store, every_n_layers=bad)  # type: ignore[arg-type]
+    assert not checkpointing_on(model)
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+    enable_offloaded_checkpointing(model, store)
+    if HAS_ACTIVATION_NAMES and bad is not None:
+        with pytest.raises(ValueError, match="every_n_layers"):
+            model.activation_checkpointing_enable(every_n_layers=bad)
+    turn_checkpointing_off(model)
+
+
+def test_the_replaced_methods_take_what_transformers_methods_take(
+    store: tierstore.TieredStore,
+) -> None:
+    """A misspelt keyword raises TypeError, as without tierstore (it was swallowed), and the
+    signature shown is the method's own, not the keywords bound inside."""
+    model = tiny_llama()
+    enable_offloaded_checkpointing(model, store)
+    name = "activation" if HAS_ACTIVATION_NAMES else "gradient"
+    enable = getattr(model, f"{name}_checkpointing_enable")
+    with pytest.raises(TypeError, match="every_n_layer"):
+        enable(every_n_layer=2)
+    shown = inspect.signature(enable).parameters
+    original = inspect.signature(getattr(type(model), f"{name}_checkpointing_enable"))
+    assert list(shown) == list(original.parameters)[1:]
+    assert "store" not in shown and "chosen" not in shown
+    turn_checkpointing_off(model)

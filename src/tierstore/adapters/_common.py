@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 import threading
 import warnings
@@ -36,7 +35,6 @@ __all__ = [
     "warn_no_room",
 ]
 
-log = logging.getLogger("tierstore")
 
 # Reasons an adapter leaves a tensor where it is; they are the keys of StoreStats.skipped.
 SMALL = "below_min_bytes"
@@ -191,11 +189,15 @@ def warn_no_room(store: TieredStore, t: torch.Tensor, err: BaseException) -> Non
         if id(store) in _warned:
             return
         _warned.add(id(store))
+    # The store's own message names the byte view the adapters put ("a 2.0 MiB uint8
+    # tensor"); this one names the caller's tensor, so only the tiers' state is kept.
+    tiers = str(err).partition(": ")[2] or str(err)
     msg = (
-        f"tierstore: no tier had room for a {tuple(t.shape)} {t.dtype} tensor on {t.device} "
-        f"({err}); it stays where it is and training goes on. Raise TIERSTORE_HOST_BYTES or "
-        "TIERSTORE_DISK_BYTES; stats().skipped['no_room'] counts every such tensor. "
-        "This warning is shown once per store."
+        f"tierstore: no tier had room for a {tuple(t.shape)} "
+        f"{str(t.dtype).removeprefix('torch.')} tensor on {t.device} ({tiers}); it stays "
+        "where it is and training goes on. Raise TIERSTORE_HOST_BYTES or TIERSTORE_DISK_BYTES; "
+        "stats().skipped['no_room'] counts every such tensor. This warning is shown once per "
+        "store."
     )
-    log.warning(msg)
+    # A warning only, as the adapters' other warnings: logged too, it showed twice.
     warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -12,6 +12,14 @@ Note: [The Trainer's own switch]
     its class), so the Trainer's call installs tierstore's checkpoint again, with the
     Trainer's ``gradient_checkpointing_kwargs`` passed through. ``*_checkpointing_disable``
     removes the replacements and turns checkpointing off.
+
+Note: [A wrapped model]
+    PEFT's ``PeftModel`` and ``torch.compile``'s ``OptimizedModule`` forward attributes they
+    lack to the model they wrap, so the guards above passed on them, but their classes do not
+    have the methods to replace: the Trainer's ``activation_checkpointing_enable`` reached the
+    wrapped model's own method, which put torch's checkpoint back on every layer, and the
+    store received nothing. The replacements therefore go on the wrapped transformers model,
+    where the wrapper's forwarding finds them.
 """
 
 from __future__ import annotations
@@ -23,13 +31,14 @@ import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
+
 from tierstore.adapters import checkpoint, no_offload, offload_activations
 from tierstore.adapters._common import resolve_store
 
 if TYPE_CHECKING:
     from types import TracebackType
 
-    import torch
     from torch.utils.hooks import RemovableHandle
 
     from tierstore._stats import StoreStats
@@ -82,8 +91,9 @@ def enable_offloaded_checkpointing(
 
     Raises:
         ValueError: the model does not support gradient checkpointing, uses the pre-4.35
-            checkpointing format (a ``_set_gradient_checkpointing(module, value)`` override), or
-            ``every_n_layers`` is not supported by this transformers version.
+            checkpointing format (a ``_set_gradient_checkpointing(module, value)`` override),
+            ``every_n_layers`` is not a positive integer, or is not supported by this
+            transformers version.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -94,6 +104,8 @@ def enable_offloaded_checkpointing(
         >>> model.is_gradient_checkpointing
         True
     """
+    _check_every_n_layers(every_n_layers)
+    model = _wrapped_model(model)  # Note: [A wrapped model]
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(
             f"{type(model).__name__} does not support gradient checkpointing "
@@ -117,9 +129,43 @@ def enable_offloaded_checkpointing(
         "gradient_checkpointing_disable": _disable,
     }
     for name, fn in replacements.items():
-        if hasattr(type(model), name):
-            # On the instance, so the class and other models stay as they are.
-            object.__setattr__(model, name, types.MethodType(fn, model))
+        original = getattr(type(model), name, None)
+        if original is None:
+            continue
+        method = fn
+        if isinstance(fn, functools.partial):
+            # What help() and inspect show: the method's own parameters, not the keywords
+            # bound here (a partial of its own per name, as two names share ``enable``).
+            method = functools.partial(fn.func, *fn.args, **fn.keywords)
+            method.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+        # On the instance, so the class and other models stay as they are.
+        object.__setattr__(model, name, types.MethodType(method, model))
+
+
+def _wrapped_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a PEFT or ``torch.compile`` wrapper (Note: [A wrapped
+    model]); ``model`` itself when it is not such a wrapper."""
+    for _ in range(8):  # a compiled PEFT model is two wrappers deep
+        if hasattr(type(model), "_set_gradient_checkpointing"):
+            return model
+        get_base: Any = getattr(type(model), "get_base_model", None)
+        inner = get_base(model) if get_base is not None else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module) or inner is model:
+            return model
+        model = inner
+    return model
+
+
+def _check_every_n_layers(every_n_layers: object) -> None:
+    if (
+        isinstance(every_n_layers, bool)
+        or not isinstance(every_n_layers, int)
+        or every_n_layers < 1
+    ):
+        raise ValueError(
+            f"every_n_layers={every_n_layers!r}: checkpoint every n-th decoder layer, n a "
+            "positive integer (1, the default, checkpoints every layer)"
+        )
 
 
 def _enable(
@@ -130,14 +176,20 @@ def _enable(
     *,
     store: TieredStore | None,
     chosen: int,
-    **_: Any,
 ) -> None:
-    """``model.activation_checkpointing_enable`` once tierstore's checkpoint is installed."""
+    """``model.activation_checkpointing_enable`` once tierstore's checkpoint is installed.
+
+    Takes the parameters transformers' method takes, and no others: a misspelt keyword
+    raises ``TypeError``, as it does without tierstore.
+    """
     # ``offload`` asks transformers to keep inputs in pinned host memory: the store does.
     del offload
+    if every_n_layers is not None:
+        _check_every_n_layers(every_n_layers)
     # The Trainer passes 1 unless its kwargs name a count (transformers 5.24), or nothing
     # (5.17): the count chosen at install stands then; another count given here wins.
     n = chosen if every_n_layers in (None, 1) else every_n_layers
+    assert n is not None
     _install(model, store, activation_checkpointing_kwargs or {}, n)
     _enable_input_grads(model)
 
