@@ -688,6 +688,9 @@ def test_close_removes_spill_directory_and_refuses_calls(
         store.get(hs[0])
     with pytest.raises(StoreClosedError):
         store.put(torch.ones(1))
+    # The usual `with TieredStore() as s: ...` then `print(s.stats())`: the close's figures.
+    assert store.stats().puts == 3 and store.stats().bytes_to_disk > 0
+    store.release(hs[0])  # close released everything: nothing to do
     store.close()
     # Handles that outlive the store die quietly: an error in their finalizer would be an
     # unraisable exception, which pytest turns into a failure here.
@@ -801,10 +804,8 @@ async def test_a_closed_async_store_refuses_every_call(disk_dir: Path) -> None:
         "put": lambda: store.put(torch.ones(1)),
         "get": lambda: store.get(h),
         "prefetch": lambda: store.prefetch([h]),
-        "release": lambda: store.release(h),
         "tier_of": lambda: store.tier_of(h),
         "state_of": lambda: store.state_of(h),
-        "stats": store.stats,
         "step_stats": store.step_stats,
         "end_step": store.end_step,
         "open": store.open,
@@ -816,6 +817,10 @@ async def test_a_closed_async_store_refuses_every_call(disk_dir: Path) -> None:
         except StoreClosedError as e:
             if "is closed" in str(e):
                 refused.append(name)
+    # What closed released: a release does nothing; stats are those of the close.
+    await store.release(h)
+    final = await store.stats()
+    assert final.puts == 1 and final is await store.stats()
     assert refused == list(calls)
     await store.close()  # idempotent
 

@@ -151,7 +151,10 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         self._bound().prefetch_now(handles)
 
     async def release(self, handle: TensorHandle) -> None:
-        """Free the entry now instead of when the handle is garbage-collected."""
+        """Free the entry now instead of when the handle is garbage-collected (nothing after
+        :meth:`close`, which released everything)."""
+        if self._closed:
+            return
         self._bound().release(handle)
 
     async def tier_of(self, handle: TensorHandle) -> Tier:
@@ -163,8 +166,10 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         return self._bound().state_of(handle)
 
     async def stats(self) -> StoreStats:
-        """A frozen :class:`~tierstore.StoreStats` snapshot."""
-        return self._bound().stats()
+        """A frozen :class:`~tierstore.StoreStats` snapshot; after :meth:`close`, the one
+        taken as it closed."""
+        final = self._core.final_stats if self._closed and self._core is not None else None
+        return final if final is not None else self._bound().stats()
 
     async def step_stats(self, step: int | None = None) -> StepStats:
         """The current step so far; see :meth:`tierstore.TieredStore.step_stats`."""

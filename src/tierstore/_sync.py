@@ -215,12 +215,15 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         self._live().prefetch_now(handles)
 
     def release(self, handle: TensorHandle) -> None:
-        """Free the entry now (also happens when the last reference to the handle goes).
+        """Free the entry now (also happens when the last reference to the handle goes);
+        after :meth:`close`, which released everything, it does nothing.
 
         Raises:
             TypeError: ``handle`` is not a :class:`~tierstore.TensorHandle`.
             TensorReleasedError: another store's handle.
         """
+        if self._closed:
+            return
         self._live().release(handle)
 
     def tier_of(self, handle: TensorHandle) -> Tier:
@@ -245,8 +248,16 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         return self._live().state_of(handle)
 
     def stats(self) -> StoreStats:
-        """A frozen snapshot: bytes and counts per tier, bytes moved, time spent, waits."""
-        return self._live().stats()
+        """A frozen snapshot: bytes and counts per tier, bytes moved, time spent, waits.
+
+        After :meth:`close`, the snapshot taken as it closed (``with TieredStore() as s:``
+        ... then ``print(s.stats())``).
+
+        Raises:
+            StoreClosedError: closed before it ever opened, or while its close still runs.
+        """
+        final = self._core.final_stats if self._closed and self._core is not None else None
+        return final if final is not None else self._live().stats()
 
     def step_stats(self, step: int | None = None) -> StepStats:
         """The current training step so far: what the store did since the last

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -476,3 +477,18 @@ def test_the_first_layers_recompute_holds_no_other_read_buffer(
         recompute = mapped_in_first_layer[-1]
         assert recompute <= x.nbytes + (1 << 20) + 4096, recompute
     assert stats_once_released(store).bytes_from_disk == 2 * 6 * x.nbytes
+
+
+def test_an_object_that_is_not_a_store_is_refused_at_once(tmp_path: Path) -> None:
+    """A model, a path or an AsyncTieredStore passed as the store failed only at the first
+    forward (``'Linear' object has no attribute 'put'``, a coroutine never awaited, or a
+    weak-reference error)."""
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(TypeError, match=r"expected a tierstore\.TieredStore"):
+        tierstore.offload_activations(layer)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"expected a tierstore\.TieredStore"):
+        tierstore.checkpoint(layer, x, store=str(tmp_path))  # type: ignore[arg-type]
+    astore = tierstore.AsyncTieredStore(disk_dir=tmp_path)
+    with pytest.raises(TypeError, match="synchronously: pass a TieredStore"):
+        tierstore.offload_activations(astore)  # type: ignore[arg-type]

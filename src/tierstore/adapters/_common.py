@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
 import warnings
@@ -26,6 +27,7 @@ __all__ = [
     "SMALL",
     "UNSUPPORTED",
     "check_min_bytes",
+    "check_store",
     "min_bytes_of",
     "resolve_store",
     "traced_stand_in",
@@ -44,12 +46,37 @@ NO_ROOM = "no_room"
 
 
 def resolve_store(store: TieredStore | None) -> TieredStore:
-    """``store``, or the process-wide default store when it is None."""
+    """``store``, or the process-wide default store when it is None.
+
+    Raises:
+        TypeError: ``store`` is not a store (see :func:`check_store`).
+    """
     if store is not None:
+        check_store(store)
         return store
     from tierstore._sync import default_store
 
     return default_store()
+
+
+def check_store(store: object) -> None:
+    """Raise TypeError unless ``store`` is None or a synchronous store (anything with the
+    ``put`` and ``get`` of :class:`~tierstore.TieredStore`): a model, a path or an
+    ``AsyncTieredStore`` failed only at the first forward, with an ``AttributeError`` or a
+    coroutine never awaited."""
+    if store is None:
+        return
+    put, get = getattr(store, "put", None), getattr(store, "get", None)
+    if callable(put) and callable(get) and not inspect.iscoroutinefunction(put):
+        return
+    hint = (
+        "; the adapters call the store from autograd's threads, synchronously: pass a TieredStore"
+        if callable(put)
+        else ""
+    )
+    raise TypeError(
+        f"store={store!r}: expected a tierstore.TieredStore, or None for the default store{hint}"
+    )
 
 
 def check_min_bytes(min_bytes: object) -> None:

@@ -32,7 +32,13 @@ import torch
 from torch import is_grad_enabled
 from torch.autograd.graph import saved_tensors_hooks
 
-from tierstore.adapters._common import check_min_bytes, min_bytes_of, resolve_store, untraced
+from tierstore.adapters._common import (
+    check_min_bytes,
+    check_store,
+    min_bytes_of,
+    resolve_store,
+    untraced,
+)
 from tierstore.adapters._storage import Kept, Saved, StorageTable, Stored
 from tierstore.core._steps import counts_since, warn_nothing_offloaded
 from tierstore.errors import TierStoreError
@@ -258,6 +264,7 @@ class offload_activations:
 
     def __init__(self, store: TieredStore | None = None, *, min_bytes: int | None = None) -> None:
         check_min_bytes(min_bytes)
+        check_store(store)
         self._store_arg = store
         self._min_bytes = min_bytes
         # Per thread, one entry per active block: one object may be entered again, nested, or

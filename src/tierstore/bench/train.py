@@ -275,21 +275,34 @@ def spill_parent(path: str | None) -> Iterator[str]:
 def parser() -> argparse.ArgumentParser:
     """The options of ``tierstore-bench train``; defaults are the model measured in docs."""
     p = argparse.ArgumentParser(
-        prog="tierstore-bench train", description=__doc__.splitlines()[0].replace("``", "")
+        prog="tierstore-bench train",
+        description=__doc__.splitlines()[0].replace("``", ""),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {MODES}")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=384)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=2, help="at least 1: the checked step")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--sample-ms", type=float, default=1.0)
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda"
+    )
+    p.add_argument("--layers", type=int, default=4, help="decoder blocks")
+    p.add_argument("--dim", type=int, default=384, help="model width")
+    p.add_argument("--heads", type=int, default=6, help="attention heads (divide --dim)")
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=512,
+        help="sequence length: a block's input is batch x seq x dim floats",
+    )
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
+    p.add_argument("--dropout", type=float, default=0.1, help="dropout probability")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps, at least 1: the checked step"
+    )
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument(
+        "--threads", type=int, default=torch.get_num_threads(), help="torch's CPU threads"
+    )
+    p.add_argument("--sample-ms", type=float, default=1.0, help="RSS sampling interval")
     p.add_argument("--min-bytes", type=int, default=1 << 20, help="store and adapter min_bytes")
     p.add_argument("--prefetch-bytes", default="32MiB", help="store prefetch window")
     p.add_argument("--inflight-bytes", default="32MiB", help="store save semaphore")

@@ -109,6 +109,8 @@ class StoreCore:
         self.disk_tier = open_disk_tier(config)
         self.disk = DiskRoom(self.disk_tier.engine, self.disk_tier.capacity, config.disk_dirs)
         self.steps = Steps(self._snapshot_locked())
+        self.final_stats: StoreStats | None = None
+        """The snapshot taken when the store closed: what ``stats()`` returns after close."""
 
     @property
     def engine(self) -> DiskEngine | None:
@@ -467,7 +469,8 @@ class StoreCore:
         store's own loop has closed and nothing can be in flight on it any more.
         """
         with self.lock:
-            summary = self._snapshot_locked().summary()
+            self.final_stats = self._snapshot_locked()
+            summary = self.final_stats.summary()
             self.table.drop_all()
         # The closed store object may live on (a caller's reference): its free read buffers,
         # up to the pool's keep_bytes, go now; busy ones when their tensors die.

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from tierstore.adapters import checkpoint, no_offload, offload_activations
-from tierstore.adapters._common import resolve_store
+from tierstore.adapters._common import check_store, resolve_store
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -105,6 +105,7 @@ def enable_offloaded_checkpointing(
         True
     """
     _check_every_n_layers(every_n_layers)
+    check_store(store)
     model = _wrapped_model(model)  # Note: [A wrapped model]
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(
