@@ -150,7 +150,8 @@ COPY_FAILS = """
         "message": str(err),
         "freed": with_base - rss(),
         "live": st.live_entries, "puts": st.puts, "device": st.device.bytes,
-        "host": st.host.bytes, "states": internals(store).states(),
+        "device_peak": st.device.peak_bytes, "host": st.host.bytes,
+        "states": internals(store).states(),
     }}))
     store.close()
 """
@@ -180,6 +181,7 @@ def test_a_view_whose_copy_cannot_be_allocated_is_refused_and_nothing_is_kept(
         0,
         [],
     )
+    assert out["device_peak"] == 0  # the put undone leaves no peak either
     # The 256 MiB base left RSS although the error, and its traceback, are still alive.
     assert out["freed"] > 200 << 20, out
     assert list(disk_dir.iterdir()) == []

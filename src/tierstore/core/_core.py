@@ -160,6 +160,7 @@ class StoreCore:
             e = Entry(next(self._keys), t, movable)
             e.ready = ready
             e.stream = stream
+            peaks = self.table.device_peaks()
             self.table.add(e, t.detach())
             self.counters.puts += 1
             self.counters.bytes_put += nbytes
@@ -167,7 +168,7 @@ class StoreCore:
             try:
                 self.cascade(new=e)
             except TierFullError:
-                self.table.unput(e)
+                self.table.unput(e, peaks)
                 self.counters.puts -= 1
                 self.counters.bytes_put -= nbytes
                 handle._released = True

@@ -280,13 +280,20 @@ class EntryTable:
         self.used[tier] -= nbytes
         self.count[tier] -= 1
 
-    def unput(self, e: Entry) -> None:
-        """Undo :meth:`add` for a put that is raising: no entry, bytes or count stay."""
+    def device_peaks(self) -> tuple[int, int]:
+        """The device tier's peaks, since the table was made and in this step: what
+        :meth:`unput` puts back."""
+        return self.peak[Tier.DEVICE], self.step_peak[Tier.DEVICE]
+
+    def unput(self, e: Entry, peaks: tuple[int, int]) -> None:
+        """Undo :meth:`add` for a put that is raising: no entry, bytes, count or peak stay
+        (``peaks``: :meth:`device_peaks` before the add)."""
         self.remove(e)
         self.set_state(e, S.RELEASED)
         self.set_copy(e, "data", None)
         self.total_entries[Tier.DEVICE] -= 1
         self.total_bytes[Tier.DEVICE] -= e.nbytes
+        self.peak[Tier.DEVICE], self.step_peak[Tier.DEVICE] = peaks
         # The weak reference dies with the entry, so the handle's death queues no release.
         e.handle_ref = None
         e.ready = None
