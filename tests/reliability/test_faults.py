@@ -296,16 +296,22 @@ def test_a_read_error_kept_by_the_caller_keeps_no_read_buffer(
 
 def test_close_hands_the_read_pools_buffers_back(make_store: MakeStore) -> None:
     """A sweep stopped half way (an exception in backward), then close: the closed store,
-    still referenced, kept its free read buffers mapped."""
-    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=8 * MiB)
+    still referenced, kept its free read buffers mapped. The window (two tensors) keeps the
+    walk from reaching the oldest entry in four gets: a walk that did ended the sweep, which
+    may unmap the free buffers before the close (the test then failed now and then)."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=4 * MiB)
     pool = internals(store).read_pool
     tensors = [_pattern(MiB // 2, 20 + i) for i in range(8)]
     handles = [store.put(t) for t in tensors]
     wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles) and settled(store))
+    held = []  # backward's tensors, alive until the exception unwinds: their own buffers
     for h, t in list(zip(handles, tensors, strict=True))[::-1][:4]:
-        assert torch.equal(store.get(h), t)
+        held.append(store.get(h))
+        assert torch.equal(held[-1], t)
         store.release(h)
-    wait_for(lambda: settled(store))
+    fetching = {TensorState.FETCHING}
+    wait_for(lambda: settled(store) and not fetching & set(map(store.state_of, handles[:4])))
+    del held
     free = [m for maps in pool._free.values() for m in maps if isinstance(m, mmap.mmap)]
     assert free and pool.mapped_bytes > 0
     store.close()
