@@ -323,3 +323,24 @@ def test_one_gib_through_a_64_mib_host_tier(disk_dir: Path) -> None:
     assert r["left"] == []
     assert r["live"] == 0
     assert r["misses"] <= 2
+
+
+def test_the_in_ram_warning_holds_its_lock_across_no_syscall(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork can only land inside a critical section that gives up the GIL: the warning
+    resolved the directory (two syscalls) under its lock, so a fork from another thread
+    then left the lock held in the child, whose first store on tmpfs waited for ever."""
+    from tierstore import _spilldir
+
+    resolved_under_lock = []
+    real = os.path.realpath
+
+    def realpath(path: object) -> str:
+        resolved_under_lock.append(_spilldir._warned_lock.locked())
+        return real(path)  # type: ignore[call-overload,no-any-return]
+
+    monkeypatch.setattr(_spilldir, "ram_filesystem", lambda parent: "tmpfs")
+    monkeypatch.setattr(os.path, "realpath", realpath)
+    assert _spilldir.warn_if_in_ram(tmp_path) == "tmpfs"
+    assert resolved_under_lock and not any(resolved_under_lock)

@@ -196,7 +196,11 @@ def test_a_big_cpu_tensor_comes_back_at_its_place_in_a_page(make_store: MakeStor
     # Note: [A tensor's lead]: written straight from the tensor's pages, read
     # straight into a pooled buffer spanning the same pages, handed back as a tensor whose
     # storage is exactly its bytes at the lead (Note: [What get returns]).
-    store = make_store(device_bytes=0, host_bytes=0)
+    # An older entry stays, and nothing is prefetched: no get ends a backward sweep, whose
+    # end may unmap the free buffer before the second read (whether it does depended on
+    # when the read task's last check ran).
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    older = store.put(torch.ones(4))
     t = _random((3 * MiB // 4 + 5,), torch.float32, seed=4)
     lead = t.data_ptr() % 4096
     h = store.put(t)
@@ -215,6 +219,7 @@ def test_a_big_cpu_tensor_comes_back_at_its_place_in_a_page(make_store: MakeStor
     wait_for(lambda: store.tier_of(h2) is Tier.DISK)
     assert _same_bits(store.get(h2), t)
     assert internals(store).read_pool.reused == reused + 1
+    store.release(older)
 
 
 @pytest.mark.parametrize(
@@ -1311,3 +1316,70 @@ def test_prefetch_brings_back_a_tensor_bigger_than_the_window_once_it_is_empty(
     assert torch.equal(store.get(h), t)
     assert store.stats().prefetch_hits == before + 1
     store.close()
+
+
+def test_every_tensor_kept_for_lack_of_room_is_counted(disk_dir: Path) -> None:
+    """The cascade names only the oldest host entry the disk cannot take: three tensors kept
+    in host memory counted as one."""
+    nbytes = MiB - 4
+    store = tierstore.TieredStore(
+        disk_dir=disk_dir,
+        device_bytes=0,
+        host_bytes=0,
+        disk_bytes=nbytes + 4096,
+        min_bytes=0,
+    )
+    first = store.put(torch.randn(nbytes // 4))
+    wait_for(lambda: settled(store))
+    assert store.tier_of(first) is tierstore.Tier.DISK
+    small = [torch.randn(256) for _ in range(3)]  # 1 KiB each: the disk has no room left
+    kept = [store.put(t) for t in small]
+    wait_for(lambda: settled(store))
+    assert [store.tier_of(h) for h in kept] == [tierstore.Tier.HOST] * 3
+    assert store.stats().kept_no_room == 3
+    store.close()
+
+
+def test_a_close_from_the_loop_thread_leaves_the_store_open(make_store: MakeStore) -> None:
+    """It raised after marking the store closed: no later close, nor the exit hook's, then
+    stopped its loop, and the store stayed registered with its directory."""
+    store = make_store()
+    h = store.put(torch.ones(4))
+    loop = internals(store).loop
+
+    async def inside() -> None:
+        store.close()
+
+    with pytest.raises(WrongThreadError, match="own loop thread"):
+        asyncio.run_coroutine_threadsafe(inside(), loop).result(5)
+    assert not store.closed
+    assert torch.equal(store.get(h), torch.ones(4))
+    (spill,) = store.spill_dirs
+    store.close()
+    assert store.closed and not Path(spill).exists()
+    assert not internals(store).loop.is_running()
+
+
+def test_a_second_close_waits_for_the_first(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It returned at once while the first was still deleting: "close() returned" did not
+    mean the files were gone."""
+    store = make_store(device_bytes=0, host_bytes=0)
+    store.put(torch.randn(MiB // 4))
+    (spill,) = store.spill_dirs
+    core = store._core
+    assert core is not None
+    real = core.finish_close
+
+    async def slow_close(timeout: float) -> None:
+        await asyncio.sleep(0.5)
+        await real(timeout)
+
+    monkeypatch.setattr(core, "finish_close", slow_close)
+    first = threading.Thread(target=store.close)
+    first.start()
+    wait_for(lambda: store.closed)
+    store.close()
+    assert not Path(spill).exists()
+    first.join()

@@ -182,9 +182,12 @@ def warn_if_in_ram(parent: Path) -> str | None:
     filesystem = ram_filesystem(parent)
     if filesystem is None:
         return None
+    # Resolved before the lock: a fork while another thread held it across the syscalls
+    # left the lock held in the child, whose first store then waited for ever.
+    real = os.path.realpath(parent)
     with _warned_lock:
-        first = os.path.realpath(parent) not in _warned_in_ram
-        _warned_in_ram.add(os.path.realpath(parent))
+        first = real not in _warned_in_ram
+        _warned_in_ram.add(real)
     if first:
         log.warning("tierstore: %s. (warned once)", in_ram_message(parent, filesystem))
     return filesystem

@@ -93,6 +93,7 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         self._close_timeout = 60.0 if self._timeout is None else self._timeout
         self._closed = False
         self._start_lock = threading.Lock()
+        self._close_done = threading.Event()
         self._core: StoreCore | None = None
         self._thread: threading.Thread | None = None
         self._start()
@@ -308,29 +309,36 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        """Let transfers finish, delete every spill file and the directory; idempotent.
+        """Let transfers finish, delete every spill file and the directory; idempotent. A
+        close while another thread's runs waits for that one to end.
 
         Raises:
-            WrongThreadError: called from the store's own loop thread.
+            WrongThreadError: called from the store's own loop thread (the store stays open).
             StoreTimeoutError: the transfers neither ended nor were cancelled within twice
                 the store's timeout (60 s without one) and 5 s; the directory is removed at
                 exit.
         """
+        wait = 2 * self._close_timeout + 5
         with self._start_lock:
-            if self._closed:
-                return
-            self._closed = True
             core, thread = self._core, self._thread
-        if core is None or thread is None:
+            if core is not None and threading.get_ident() == core.loop_thread:
+                # Before the store is marked closed: marked and left running, no later close
+                # (nor the exit hook's) would have stopped its loop.
+                raise WrongThreadError("TieredStore.close() called from its own loop thread")
+            closing = self._closed
+            self._closed = True
+        if closing:
+            # "close() returned" means the files are gone: wait for the close under way.
+            self._close_done.wait(timeout=wait + 10)
             return
-        if threading.get_ident() == core.loop_thread:
-            raise WrongThreadError("TieredStore.close() called from its own loop thread")
+        if core is None or thread is None:
+            self._close_done.set()
+            return
         try:
             if core.begin_close():
                 done = asyncio.run_coroutine_threadsafe(
                     core.finish_close(self._close_timeout), core.loop
                 )
-                wait = 2 * self._close_timeout + 5
                 try:
                     done.result(timeout=wait)
                 except cf.TimeoutError:
@@ -343,6 +351,7 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
             core.loop.call_soon_threadsafe(core.loop.stop)
             thread.join(timeout=5)
             _registry.unregister(self)
+            self._close_done.set()
 
     def __enter__(self) -> TieredStore:
         return self
@@ -368,6 +377,7 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         #     (a store on the zarr engine started here hung the child).
         core, self._core, self._thread = self._core, None, None
         self._start_lock = threading.Lock()
+        self._close_done = threading.Event()
         if core is not None:
             core.forget_after_fork()
 

@@ -462,3 +462,26 @@ def test_the_replaced_methods_take_what_transformers_methods_take(
     assert list(shown) == list(original.parameters)[1:]
     assert "store" not in shown and "chosen" not in shown
     turn_checkpointing_off(model)
+
+
+def test_a_model_with_tierstores_checkpoint_pickles(tmp_path: Path) -> None:
+    """``torch.save(model)`` pickles the replaced methods by name: they had none
+    (``'functools.partial' object has no attribute '__name__'``)."""
+    model = tiny_llama()
+    enable_offloaded_checkpointing(model)  # the default store: nothing unpicklable bound
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert checkpointing_on(loaded)
+
+
+def test_peft_tuner_models_are_looked_through() -> None:
+    """A bare tuner model (``peft_model.base_model``) wraps the transformers model in
+    ``.model``; it has no ``get_base_model``."""
+    peft = pytest.importorskip("peft")
+    from tierstore.integrations.transformers import _wrapped_model
+
+    model = tiny_llama()
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert _wrapped_model(wrapped) is model
+    assert _wrapped_model(wrapped.base_model) is model
+    assert _wrapped_model(model) is model

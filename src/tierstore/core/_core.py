@@ -187,25 +187,30 @@ class StoreCore:
             entries over ``host_bytes`` on disk. Counting only each tier's free room, puts
             from several threads (each admitted before it waits) filled the host tier
             several tensors past its capacity and the disk tier past its own, where a put
-            should have raised ``TierFullError``.
+            should have raised ``TierFullError``. What the host tier will hold is what it
+            holds, less the spills in flight (their disk room is taken already), plus the
+            copies on their way into it and the device entries waiting for one; fetched
+            copies of accelerator entries whose home is the host tier count there, since
+            they return to it.
         """
         cfg, table = self.config, self.table
         dev_over = table.resting[Tier.DEVICE] - cfg.device_bytes
-        host = cfg.host_bytes - table.used[Tier.HOST] - table.host_reserved - max(0, dev_over)
-        host_load = table.resting[Tier.HOST] + table.host_reserved + max(0, dev_over)
+        spilling = self.semaphore.inflight - table.host_reserved
+        host_load = table.used[Tier.HOST] - spilling + table.host_reserved + max(0, dev_over)
         disk = self.disk.room(table.used[Tier.DISK]) - max(0, host_load - cfg.host_bytes)
-        room = max(0, -dev_over) + max(0, host) + max(0, disk)
+        room = max(0, -dev_over) + max(0, cfg.host_bytes - host_load) + max(0, disk)
         return min(room, (1 << 63) - 1)
 
-    def cascade(self, new: Entry | None = None) -> None:
-        """Plan the cascade and carry it out (Note: [The cascade]).
+    def cascade(self, new: Entry | None = None, arrived: Entry | None = None) -> None:
+        """Plan the cascade and carry it out (Note: [The cascade]). ``arrived`` is an entry
+        whose copy just landed in the host tier.
 
         Raises:
             TierFullError: the compact host copy of ``new``, the entry ``put`` is adding, could
                 not be made (Note: [A failed host copy keeps nothing]).
         """
         if not self.closed:  # while close() drains the transfers in flight, start none
-            _moves.cascade(self, new)
+            _moves.cascade(self, new, arrived)
 
     # ------------------------------------------------------------------ get and prefetch
 

@@ -26,12 +26,13 @@ log = logging.getLogger("tierstore")
 S = TensorState
 
 
-def cascade(core: StoreCore, new: Entry | None) -> None:
+def cascade(core: StoreCore, new: Entry | None, arrived: Entry | None = None) -> None:
     """Move the oldest entries of over-full tiers down (Note: [The cascade]).
 
     Args:
         core: the store, its lock held.
         new: the entry ``put`` is adding now, if any.
+        arrived: an entry whose copy just landed in the host tier, if any.
 
     Raises:
         TierFullError: the compact host copy of ``new`` could not be made (Note: [A failed
@@ -76,7 +77,16 @@ def cascade(core: StoreCore, new: Entry | None) -> None:
             semaphore.take(e.nbytes)
             core.handoff.spill(e)
         if spills.kept is not None:
+            # Note: [Counting what stays for want of room]
+            #     The plan names only the oldest host entry the disk cannot take, but an
+            #     entry that comes into a host tier already over its capacity (put, on the
+            #     CPU, or copied in) adds one more kept there: it counts too. Each entry
+            #     counts once.
             _note_no_room(core, spills.kept)
+            over = table.resting[Tier.HOST] + table.host_reserved - cfg.host_bytes
+            for came in (new, arrived):
+                if came is not None and came.state is S.HOST and over > came.nbytes:
+                    _note_no_room(core, came)
         blocked = blocked or spills.blocked
     # Only a move in flight wakes a waiting put when it ends. A plan blocked behind copies it
     # did not start (paused after a failed copy) has none: that put would wait its whole

@@ -29,9 +29,11 @@ Note: [An entry on its way down]
     When backward begins, the last activations of forward are often still being written to
     disk. The walk cannot fetch such an entry yet and goes on to older ones; had it resumed
     below them, it would never have come back to it, and the get of the very entry backward
-    needed next read it from disk itself while older ones sat fetched. So the walk resumes
-    at the newest entry it passed on its way down, and the end of a spill runs the walk
-    again.
+    needed next read it from disk itself while older ones sat fetched. So the walk keeps the
+    entries it passed on their way down, and each walk first fetches those that have landed
+    (a spill's or a copy's end runs the walk); the walk itself still resumes where it
+    stopped. (Resuming at such an entry instead rescanned the whole window at every get
+    while its spill ran.)
 """
 
 from __future__ import annotations
@@ -55,21 +57,25 @@ STEP = 256
 
 
 class PrefetchWalk:
-    """The cursor (the entry of the last get) and where the last walk below it stopped."""
+    """The cursor (the entry of the last get), where the last walk below it stopped, and the
+    entries it passed on their way down."""
 
     def __init__(self) -> None:
         self.cursor: int | None = None
         """The key of the last entry a get asked for."""
         self._walked_from: int | None = None
         self._resume_at: int | None = None
+        self._pending: list[int] = []
+        """Keys passed on their way down, newest first (Note: [An entry on its way down])."""
         self.steps = 0
         """Entries looked at by every walk so far (a backward sweep stays linear)."""
 
     @property
     def exhausted(self) -> bool:
-        """Whether the last walk reached the oldest entry: nothing older than the cursor is
-        left to bring back, so a backward sweep is at its end."""
-        return self.cursor is not None and self._resume_at == 0
+        """Whether the last walk reached the oldest entry and left none on its way down:
+        nothing older than the cursor is left to bring back, so a backward sweep is at its
+        end."""
+        return self.cursor is not None and self._resume_at == 0 and not self._pending
 
     def plan(
         self,
@@ -89,24 +95,46 @@ class PrefetchWalk:
             window_empty: nothing is fetched or being fetched, so the first entry may be
                 bigger than ``budget`` (Note: [A tensor bigger than the window]).
         """
-        if self.cursor is None or budget <= 0:
+        if self.cursor is None:
             return []
-        start = self.cursor
-        if (
+        resuming = (
             self._walked_from is not None
             and self._resume_at is not None
             and self.cursor <= self._walked_from
-        ):
+        )
+        if not resuming:
+            self._pending = []
+        if budget <= 0:
+            return []
+        chosen: list[int] = []
+        # First the entries passed on their way down that have landed, the newest first:
+        # they are newer than where the walk resumes. Those the cursor has passed (their get
+        # came first) or that are gone are dropped; those still moving stay.
+        pending, self._pending = self._pending, []
+        for n, key in enumerate(pending):
+            j = bisect.bisect_left(live_keys, key)
+            if key >= self.cursor or j == len(live_keys) or live_keys[j] != key:
+                continue
+            nbytes = fetch_size(key)
+            if nbytes == PENDING:
+                self._pending.append(key)
+            elif nbytes is not None:
+                if len(chosen) == STEP or (nbytes > budget and (chosen or not window_empty)):
+                    self._pending += pending[n:]
+                    return chosen
+                budget -= nbytes
+                chosen.append(key)
+        start = self.cursor
+        if resuming:
+            assert self._resume_at is not None
             start = min(start, self._resume_at)
         i = bisect.bisect_left(live_keys, start) - 1
         scanned = 0
-        chosen: list[int] = []
-        pending: int | None = None
         while i >= 0 and scanned < SCAN_LIMIT:
             key = live_keys[i]
             nbytes = fetch_size(key)
             if nbytes == PENDING:
-                pending = key if pending is None else pending
+                self._pending.append(key)
             elif nbytes is not None:
                 if len(chosen) == STEP or (nbytes > budget and (chosen or not window_empty)):
                     break
@@ -117,11 +145,9 @@ class PrefetchWalk:
             scanned += 1
         self.steps += scanned
         self._walked_from = self.cursor
-        # Resume at the entry that did not fit (or below the last one looked at), or at the
-        # newest passed on its way down (Note: [An entry on its way down]).
+        # Resume at the entry that did not fit (or below the last one looked at).
         self._resume_at = live_keys[i] + 1 if i >= 0 else 0
-        if pending is not None:
-            self._resume_at = pending + 1
+        self._pending.sort(reverse=True)
         return chosen
 
 

@@ -133,12 +133,15 @@ def enable_offloaded_checkpointing(
         original = getattr(type(model), name, None)
         if original is None:
             continue
-        method = fn
+        # What help() and inspect show: the method's own parameters, not the keywords bound
+        # here (a partial of its own per name, as two names share ``enable``); and its name,
+        # which pickling a bound method looks up (``torch.save(model)``).
         if isinstance(fn, functools.partial):
-            # What help() and inspect show: the method's own parameters, not the keywords
-            # bound here (a partial of its own per name, as two names share ``enable``).
             method = functools.partial(fn.func, *fn.args, **fn.keywords)
-            method.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+        else:
+            method = functools.partial(fn)
+        method.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+        method.__name__ = method.__qualname__ = name  # type: ignore[attr-defined]
         # On the instance, so the class and other models stay as they are.
         object.__setattr__(model, name, types.MethodType(method, model))
 
@@ -150,7 +153,17 @@ def _wrapped_model(model: torch.nn.Module) -> torch.nn.Module:
         if hasattr(type(model), "_set_gradient_checkpointing"):
             return model
         get_base: Any = getattr(type(model), "get_base_model", None)
-        inner = get_base(model) if get_base is not None else getattr(model, "_orig_mod", None)
+        if get_base is not None:
+            inner = get_base(model)
+        else:  # torch.compile's wrapper, PEFT's tuner models and mixed models
+            inner = next(
+                (
+                    child
+                    for name in ("_orig_mod", "model", "base_model")
+                    if isinstance(child := getattr(model, name, None), torch.nn.Module)
+                ),
+                None,
+            )
         if not isinstance(inner, torch.nn.Module) or inner is model:
             return model
         model = inner
