@@ -344,3 +344,33 @@ def test_the_in_ram_warning_holds_its_lock_across_no_syscall(
     monkeypatch.setattr(os.path, "realpath", realpath)
     assert _spilldir.warn_if_in_ram(tmp_path) == "tmpfs"
     assert resolved_under_lock and not any(resolved_under_lock)
+
+
+def test_a_child_forked_during_a_close_closes_at_once(disk_dir: Path) -> None:
+    """A fork while another thread's close runs: the child's store is closed, with no
+    thread to end that close, and a close there (its exit hook's too) waited for it, up to
+    ten minutes with the default timeout."""
+    out = _python(f"""
+        import asyncio, os, threading, time, torch, tierstore
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, min_bytes=0, timeout=5)
+        store.put(torch.ones(4))
+        real = store._core.finish_close
+
+        async def slow(timeout):
+            await asyncio.sleep(1.0)
+            await real(timeout)
+
+        store._core.finish_close = slow
+        closing = threading.Thread(target=store.close)
+        closing.start()
+        time.sleep(0.2)
+        pid = os.fork()
+        if pid == 0:
+            started = time.monotonic()
+            store.close()
+            os._exit(0 if time.monotonic() - started < 2.0 else 3)
+        _, status = os.waitpid(pid, 0)
+        closing.join()
+        print("child", os.waitstatus_to_exitcode(status))
+    """)
+    assert "child 0" in out, out

@@ -909,11 +909,20 @@ def test_env_var_paths_are_checked(tmp_path: Path) -> None:
         TieredStore(disk_dir=f)
 
 
-def test_disk_bytes_never_above_free_space(make_store: MakeStore, caplog: Any) -> None:
+def test_disk_bytes_never_above_free_space(
+    make_store: MakeStore, disk_dir: Path, caplog: Any
+) -> None:
+    def free(path: Any) -> int:
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+
+    before = free(disk_dir)
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         store = make_store(disk_bytes="1000TiB")
-    free = os.statvfs(store.spill_dirs[0]).f_bavail * os.statvfs(store.spill_dirs[0]).f_frsize
-    assert store.stats().disk.capacity <= free + 64 * MiB
+    # Other test workers write and delete beside this one: the free space at the store's
+    # start lies near what is free just before or after it, not exactly either.
+    after = free(store.spill_dirs[0])
+    assert store.stats().disk.capacity <= max(before, after) + (1 << 30)
     said = [r.getMessage() for r in caplog.records]
     capped = [m for m in said if "capped at the free space" in m]
     assert capped and "TIERSTORE_DISK_BYTES=1000 TiB is more than the " in capped[0]
@@ -1279,25 +1288,6 @@ def test_the_entry_backward_needs_next_is_fetched_even_if_its_spill_was_in_fligh
     store.close()
 
 
-def test_a_tensor_kept_for_lack_of_room_is_counted_once(disk_dir: Path) -> None:
-    """``kept_no_room`` counts tensors: it counted every cascade that found no room for the
-    same tensor, so five puts later one kept tensor read as six."""
-    nbytes = MiB - 4  # its spill takes whole pages: a little more than the disk tier allows
-    store = tierstore.TieredStore(
-        disk_dir=disk_dir, device_bytes=0, host_bytes=0, disk_bytes=nbytes + 2, min_bytes=0
-    )
-    t = torch.randn(nbytes // 4)
-    h = store.put(t)
-    wait_for(lambda: settled(store))
-    assert store.tier_of(h) is tierstore.Tier.HOST
-    assert store.stats().kept_no_room == 1
-    for _ in range(5):  # each put runs the cascade, which finds no room for it again
-        store.release(store.put(torch.ones(0)))  # empty: stored in place, never refused
-    assert store.stats().kept_no_room == 1
-    assert torch.equal(store.get(h), t)
-    store.close()
-
-
 def test_prefetch_brings_back_a_tensor_bigger_than_the_window_once_it_is_empty(
     disk_dir: Path,
 ) -> None:
@@ -1315,28 +1305,6 @@ def test_prefetch_brings_back_a_tensor_bigger_than_the_window_once_it_is_empty(
     before = store.stats().prefetch_hits
     assert torch.equal(store.get(h), t)
     assert store.stats().prefetch_hits == before + 1
-    store.close()
-
-
-def test_every_tensor_kept_for_lack_of_room_is_counted(disk_dir: Path) -> None:
-    """The cascade names only the oldest host entry the disk cannot take: three tensors kept
-    in host memory counted as one."""
-    nbytes = MiB - 4
-    store = tierstore.TieredStore(
-        disk_dir=disk_dir,
-        device_bytes=0,
-        host_bytes=0,
-        disk_bytes=nbytes + 4096,
-        min_bytes=0,
-    )
-    first = store.put(torch.randn(nbytes // 4))
-    wait_for(lambda: settled(store))
-    assert store.tier_of(first) is tierstore.Tier.DISK
-    small = [torch.randn(256) for _ in range(3)]  # 1 KiB each: the disk has no room left
-    kept = [store.put(t) for t in small]
-    wait_for(lambda: settled(store))
-    assert [store.tier_of(h) for h in kept] == [tierstore.Tier.HOST] * 3
-    assert store.stats().kept_no_room == 3
     store.close()
 
 
@@ -1383,3 +1351,15 @@ def test_a_second_close_waits_for_the_first(
     store.close()
     assert not Path(spill).exists()
     first.join()
+
+
+def test_stats_after_close_count_the_handles_dropped_before_it(disk_dir: Path) -> None:
+    """The close's snapshot was taken before the releases of handles dropped just before it
+    were drained: a live entry and no release, where ``stats()`` a moment earlier said 0
+    and 1."""
+    with tierstore.TieredStore(disk_dir=disk_dir, min_bytes=0) as store:
+        h = store.put(torch.ones(1000))
+        del h
+        gc.collect()
+    stats = store.stats()
+    assert stats.live_entries == 0 and stats.releases == 1

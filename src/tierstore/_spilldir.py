@@ -176,6 +176,15 @@ _warned_in_ram: set[str] = set()
 _warned_lock = threading.Lock()
 
 
+def _new_warned_lock() -> None:
+    # A fork while another thread held it (between two bytecodes) would leave it held here.
+    global _warned_lock
+    _warned_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_warned_lock)
+
+
 def warn_if_in_ram(parent: Path) -> str | None:
     """Log a warning, once per directory and process, if ``parent`` is on tmpfs or ramfs;
     return the filesystem's name (each time) or None."""

@@ -378,6 +378,9 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         core, self._core, self._thread = self._core, None, None
         self._start_lock = threading.Lock()
         self._close_done = threading.Event()
+        if self._closed:
+            # A close under way in the parent has no thread here to end it.
+            self._close_done.set()
         if core is not None:
             core.forget_after_fork()
 

@@ -184,6 +184,27 @@ def test_enospc_with_free_space_only_in_pieces_keeps_the_tier_off(
         assert torch.equal(store.get(h), _pattern(MiB // 8, i))
 
 
+def test_every_tensor_kept_for_lack_of_room_counts_once(
+    make_store: MakeStore, free_space: dict[str, int | None]
+) -> None:
+    """Note: [Counting what stays for want of room]: a put that pushes the host tier two
+    tensors over its capacity, the disk then found full, keeps both. The spill plan names
+    only the oldest: one was counted."""
+    store = make_store(device_bytes=0, host_bytes=MiB, disk_bytes="1GiB")
+    faulty = install_faults(store)
+    hs = [store.put(_pattern(MiB // 8, i)) for i in range(2)]  # 512 KiB each: the tier full
+    free_space["free"] = MiB // 4  # another process filled the disk
+    hs.append(store.put(_pattern(MiB // 4, 2)))  # 1 MiB: the two older ones are over
+    wait_for(lambda: settled(store))
+    assert faulty.writes == 0
+    assert store.stats().kept_no_room == 2
+    for _ in range(3):  # each runs the cascade again
+        store.release(store.put(torch.ones(0)))  # empty: stored in place, never refused
+    assert store.stats().kept_no_room == 2
+    for i, h in enumerate(hs):
+        assert torch.equal(store.get(h), _pattern(MiB // (8 if i < 2 else 4), i))
+
+
 def test_free_space_is_checked_before_each_spill(
     make_store: MakeStore, free_space: dict[str, int | None]
 ) -> None:

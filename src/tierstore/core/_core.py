@@ -152,7 +152,7 @@ class StoreCore:
             self.drain_dropped()
             nbytes = t.numel() * t.element_size()
             movable = nbytes >= self.config.min_bytes and nbytes > 0
-            if movable and nbytes > self._free_room():
+            if movable and not self._has_room(nbytes):
                 # What waits for room (copies paused after a failure) is tried again all
                 # the same: every put runs the cascade.
                 self.cascade()
@@ -177,8 +177,9 @@ class StoreCore:
                 raise
             return handle, self.semaphore.waiter()
 
-    def _free_room(self) -> int:
-        """Bytes a put may add: each tier's room less what waits above it for that room.
+    def _has_room(self, nbytes: int) -> bool:
+        """Whether a put of ``nbytes`` fits: in the tiers above the disk, or with what it
+        pushes down, on disk.
 
         Note: [Room for a put]
             Entries over a tier's capacity whose move is held back (by the save semaphore,
@@ -191,15 +192,25 @@ class StoreCore:
             holds, less the spills in flight (their disk room is taken already), plus the
             copies on their way into it and the device entries waiting for one; fetched
             copies of accelerator entries whose home is the host tier count there, since
-            they return to it.
+            they return to it. What goes to disk is measured as the disk counts it, in
+            footprints (whole pages, chunk files): in bytes, a tensor whose footprint did
+            not fit was admitted and kept in host memory past its capacity.
         """
         cfg, table = self.config, self.table
         dev_over = table.resting[Tier.DEVICE] - cfg.device_bytes
         spilling = self.semaphore.inflight - table.host_reserved
         host_load = table.used[Tier.HOST] - spilling + table.host_reserved + max(0, dev_over)
-        disk = self.disk.room(table.used[Tier.DISK]) - max(0, host_load - cfg.host_bytes)
-        room = max(0, -dev_over) + max(0, cfg.host_bytes - host_load) + max(0, disk)
-        return min(room, (1 << 63) - 1)
+        above = max(0, -dev_over) + max(0, cfg.host_bytes - host_load)
+        if nbytes <= above:
+            return True
+        disk = self.disk.room(table.used[Tier.DISK])
+        if disk <= 0:
+            return False
+        over = max(0, host_load - cfg.host_bytes)
+        # What waits over the host tier, and what of this put the tiers above cannot hold; a
+        # lower bound for several entries (one footprint's rounding for all of them).
+        need = self.disk.footprint(nbytes - above) + (self.disk.footprint(over) if over else 0)
+        return need <= disk
 
     def cascade(self, new: Entry | None = None, arrived: Entry | None = None) -> None:
         """Plan the cascade and carry it out (Note: [The cascade]). ``arrived`` is an entry
@@ -475,6 +486,7 @@ class StoreCore:
         store's own loop has closed and nothing can be in flight on it any more.
         """
         with self.lock:
+            self.drain_dropped()  # handles dropped before the close: released, as stats() shows
             self.final_stats = self._snapshot_locked()
             summary = self.final_stats.summary()
             self.table.drop_all()

@@ -77,16 +77,7 @@ def cascade(core: StoreCore, new: Entry | None, arrived: Entry | None = None) ->
             semaphore.take(e.nbytes)
             core.handoff.spill(e)
         if spills.kept is not None:
-            # Note: [Counting what stays for want of room]
-            #     The plan names only the oldest host entry the disk cannot take, but an
-            #     entry that comes into a host tier already over its capacity (put, on the
-            #     CPU, or copied in) adds one more kept there: it counts too. Each entry
-            #     counts once.
-            _note_no_room(core, spills.kept)
-            over = table.resting[Tier.HOST] + table.host_reserved - cfg.host_bytes
-            for came in (new, arrived):
-                if came is not None and came.state is S.HOST and over > came.nbytes:
-                    _note_no_room(core, came)
+            _note_kept(core)
         blocked = blocked or spills.blocked
     # Only a move in flight wakes a waiting put when it ends. A plan blocked behind copies it
     # did not start (paused after a failed copy) has none: that put would wait its whole
@@ -170,6 +161,26 @@ def _host_copy_failed(core: StoreCore, e: Entry, exc: BaseException, new: Entry 
             e.describe(),
             exc,
         )
+
+
+def _note_kept(core: StoreCore) -> None:
+    """Count the host entries over capacity that the disk cannot take.
+
+    Note: [Counting what stays for want of room]
+        The spill plan names only the oldest host entry the disk cannot take, but as many of
+        the oldest as the host tier is over its capacity stay: each counts in
+        ``kept_no_room``, once however many cascades meet it. (Counting the one the plan
+        named at every cascade made one tensor read as six; counting it alone, three as
+        one.) While the disk is paused no spill is planned, so this runs only when a spill
+        was refused.
+    """
+    cfg, table = core.config, core.table
+    over = table.resting[Tier.HOST] + table.host_reserved - cfg.host_bytes
+    for e in table.resting_oldest_first(Tier.HOST):
+        if over <= 0:
+            break
+        _note_no_room(core, e)
+        over -= e.nbytes
 
 
 def _note_no_room(core: StoreCore, e: Entry) -> None:
