@@ -255,7 +255,8 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         ... then ``print(s.stats())``).
 
         Raises:
-            StoreClosedError: closed before it ever opened, or while its close still runs.
+            StoreClosedError: closed before it ever opened, while its close still runs, or
+                after a close that raised ``StoreTimeoutError`` (no snapshot was taken).
         """
         final = self._core.final_stats if self._closed and self._core is not None else None
         return final if final is not None else self._live().stats()
