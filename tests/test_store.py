@@ -1363,3 +1363,20 @@ def test_stats_after_close_count_the_handles_dropped_before_it(disk_dir: Path) -
         gc.collect()
     stats = store.stats()
     assert stats.live_entries == 0 and stats.releases == 1
+
+
+def test_a_tensor_too_big_to_rest_in_the_host_tier_needs_the_disk_to_take_it(
+    disk_dir: Path,
+) -> None:
+    """4.5 MiB into a 1 MiB host tier beside a 4 MiB disk tier: admitted, it was kept in
+    host memory at 4.5 times the tier's capacity, the disk 'full' with nothing on it."""
+    store = tierstore.TieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=MiB, disk_bytes=4 * MiB, min_bytes=0
+    )
+    with pytest.raises(TierFullError, match="no tier has room"):
+        store.put(torch.randn(9 * MiB // 8))
+    # 4 MiB less a page (a page more on disk for its lead): the disk takes it.
+    h = store.put(torch.randn(MiB - 1024))
+    wait_for(lambda: settled(store))
+    assert store.tier_of(h) is Tier.DISK and store.stats().kept_no_room == 0
+    store.close()

@@ -46,10 +46,20 @@ def room(**tiers: int) -> int:
 
 
 def test_each_tier_gives_its_free_room() -> None:
-    """A put fits in the host tier, or pushes what does not fit there onto the disk."""
+    """A put fits in the host tier, or pushes older entries onto the disk to rest there;
+    one too big to rest there spills itself, after every older entry."""
     tiers = {"host_bytes": 100 * M, "host_used": 30 * M, "host_resting": 30 * M}
-    assert room(**tiers, disk_left=50 * M) == 120 * M
+    assert room(**tiers, disk_left=50 * M) == 100 * M  # the 30 older ones go down
     assert room(**tiers) == 70 * M
+    assert room(**tiers, disk_left=200 * M) == 170 * M  # 30 + itself on disk
+
+
+def test_a_tensor_too_big_for_the_host_tier_needs_its_whole_footprint_on_disk() -> None:
+    """4.5 MiB into a 1 MiB host tier beside a 4 MiB disk tier: it cannot rest in the host
+    tier, and the disk cannot take it. Counting the disk's room for the 3.5 MiB the host
+    could not hold admitted it, and it was kept in host memory, 4.5 MiB of 1."""
+    assert not fits(4 * M + M // 2, host_bytes=M, disk_left=4 * M)
+    assert fits(4 * M, host_bytes=M, disk_left=4 * M)
 
 
 def test_a_spill_in_flight_leaves_the_host_tier() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import threading
 import warnings
@@ -207,6 +208,15 @@ def _fx_tracing() -> bool:
 
 
 _warned_lock = threading.Lock()
+
+
+def _new_warned_lock() -> None:
+    # A fork while another thread held it would leave it held in the child.
+    global _warned_lock
+    _warned_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_warned_lock)
 _warned: set[int] = set()
 
 

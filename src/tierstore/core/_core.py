@@ -206,10 +206,17 @@ class StoreCore:
         disk = self.disk.room(table.used[Tier.DISK])
         if disk <= 0:
             return False
+        footprint = self.disk.footprint
         over = max(0, host_load - cfg.host_bytes)
-        # What waits over the host tier, and what of this put the tiers above cannot hold; a
-        # lower bound for several entries (one footprint's rounding for all of them).
-        need = self.disk.footprint(nbytes - above) + (self.disk.footprint(over) if over else 0)
+        if nbytes <= cfg.host_bytes + max(0, -dev_over):
+            # It rests above once older entries make room: what waits over the host tier
+            # and what it pushes down go to disk (one footprint's rounding for the lot).
+            need = footprint(nbytes - above) + (footprint(over) if over else 0)
+        else:
+            # Too big to rest above: the cascade, oldest first, spills every entry of the
+            # host tier and then this one (counted as the store's free room, it was
+            # admitted into a disk that could not take it, and kept in host memory).
+            need = (footprint(host_load) if host_load > 0 else 0) + footprint(nbytes)
         return need <= disk
 
     def cascade(self, new: Entry | None = None, arrived: Entry | None = None) -> None:

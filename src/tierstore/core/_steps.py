@@ -12,6 +12,7 @@ Note: [Say when offloading does nothing]
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
@@ -135,6 +136,15 @@ def nothing_offloaded_message(
 
 
 _warned_lock = threading.Lock()
+
+
+def _new_warned_lock() -> None:
+    # A fork while another thread held it would leave it held in the child.
+    global _warned_lock
+    _warned_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_warned_lock)
 _warned: weakref.WeakSet[object] = weakref.WeakSet()
 
 
