@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tierstore import _registry
+from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore._libc import libc_function
 from tierstore.errors import ConfigError
 
@@ -173,16 +174,7 @@ def in_ram_message(parent: Path, filesystem: str) -> str:
 
 
 _warned_in_ram: set[str] = set()
-_warned_lock = threading.Lock()
-
-
-def _new_warned_lock() -> None:
-    # A fork while another thread held it (between two bytecodes) would leave it held here.
-    global _warned_lock
-    _warned_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_warned_lock)
+_warned_lock = ForkSafeLock()
 
 
 def warn_if_in_ram(parent: Path) -> str | None:

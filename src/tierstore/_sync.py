@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import os
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TypeVar
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from tierstore import _registry
+from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore._process_bound import ProcessBound
 from tierstore._store import resolve_config
 from tierstore.config import check_timeout
@@ -398,17 +398,8 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
 
 
 _default: TieredStore | None = None
-_default_lock = threading.Lock()
-
-
-def _default_lock_after_fork() -> None:
-    # default_store() holds the lock while a store starts; a fork from another thread then
-    # would leave the child's lock held by a thread it does not have.
-    global _default_lock
-    _default_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_default_lock_after_fork)
+# default_store() holds it while a store starts: a fork from another thread then.
+_default_lock = ForkSafeLock()
 
 
 def default_store() -> TieredStore:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import sys
-import threading
 import warnings
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore.config import MiB
 from tierstore.core._checks import unsupported
 
@@ -207,16 +206,7 @@ def _fx_tracing() -> bool:
     return bool(getattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", False))
 
 
-_warned_lock = threading.Lock()
-
-
-def _new_warned_lock() -> None:
-    # A fork while another thread held it would leave it held in the child.
-    global _warned_lock
-    _warned_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_warned_lock)
+_warned_lock = ForkSafeLock()
 _warned: set[int] = set()
 
 

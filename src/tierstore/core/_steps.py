@@ -12,13 +12,12 @@ Note: [Say when offloading does nothing]
 
 from __future__ import annotations
 
-import os
-import threading
 import warnings
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore._state import Tier
 from tierstore._stats import StepStats, format_size, format_skipped
 
@@ -135,16 +134,7 @@ def nothing_offloaded_message(
     )
 
 
-_warned_lock = threading.Lock()
-
-
-def _new_warned_lock() -> None:
-    # A fork while another thread held it would leave it held in the child.
-    global _warned_lock
-    _warned_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_warned_lock)
+_warned_lock = ForkSafeLock()
 _warned: weakref.WeakSet[object] = weakref.WeakSet()
 
 
