@@ -119,7 +119,7 @@ class PrefetchWalk:
             if nbytes == PENDING:
                 self._pending.append(key)
             elif nbytes is not None:
-                if len(chosen) == STEP or (nbytes > budget and (chosen or not window_empty)):
+                if _stops(chosen, nbytes, budget, window_empty):
                     self._pending += pending[n:]
                     return chosen
                 budget -= nbytes
@@ -136,7 +136,7 @@ class PrefetchWalk:
             if nbytes == PENDING:
                 self._pending.append(key)
             elif nbytes is not None:
-                if len(chosen) == STEP or (nbytes > budget and (chosen or not window_empty)):
+                if _stops(chosen, nbytes, budget, window_empty):
                     break
                 # One bigger than the window comes alone: the budget goes below zero.
                 budget -= nbytes
@@ -149,6 +149,13 @@ class PrefetchWalk:
         self._resume_at = live_keys[i] + 1 if i >= 0 else 0
         self._pending.sort(reverse=True)
         return chosen
+
+
+def _stops(chosen: list[int], nbytes: int, budget: int, window_empty: bool) -> bool:
+    """Whether a walk stops before an entry of ``nbytes``: it has ``STEP`` fetches, or the
+    entry does not fit in ``budget`` (but one alone while the window is empty, Note: [A
+    tensor bigger than the window])."""
+    return len(chosen) == STEP or (nbytes > budget and (bool(chosen) or not window_empty))
 
 
 def newest_first_within(
