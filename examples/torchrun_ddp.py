@@ -115,6 +115,7 @@ def main() -> None:
             before = store.stats().bytes_to_disk
             grads = train(mode, store, args)
             report[f"{mode}_bytes_to_disk"] = store.stats().bytes_to_disk - before
+            report[f"{mode}_skipped"] = dict(store.stats().skipped)  # what stayed, and why
             if args.out is not None:
                 args.out.mkdir(parents=True, exist_ok=True)
                 torch.save(grads, args.out / f"grads-{mode}-rank{rank}.pt")

@@ -63,7 +63,7 @@ def test_ddp_two_ranks_offloaded_gradients_equal_plain(tmp_path: Path) -> None:
         plain = torch.load(out / f"grads-none-rank{rank}.pt", weights_only=True)
         assert len(plain) > 0
         for mode in ("hooks", "checkpoint"):
-            assert reports[rank][f"{mode}_bytes_to_disk"] > 0
+            assert reports[rank][f"{mode}_bytes_to_disk"] > 0, reports[rank]
             got = torch.load(out / f"grads-{mode}-rank{rank}.pt", weights_only=True)
             assert len(got) == len(plain)
             for i, (a, b) in enumerate(zip(plain, got, strict=True)):
