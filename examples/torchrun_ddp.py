@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -82,10 +83,28 @@ def train(mode: str, store: tierstore.TieredStore, args: argparse.Namespace) -> 
         else:
             logits = ddp(ids[:, :-1])
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        if args.spill_before_backward and mode != "none":
+            wait_until_written(store)
         loss.backward()  # DDP all-reduces the gradients here
         grads += [p.grad.detach().clone() for p in ddp.parameters() if p.grad is not None]
         opt.step()
     return grads
+
+
+def wait_until_written(store: tierstore.TieredStore, timeout: float = 60.0) -> None:
+    """Wait until every byte put so far is written to disk.
+
+    Training never needs this: backward reads a tensor from wherever it is. A tiny model's
+    backward can start before the store's threads spilled anything (on a loaded machine), and
+    then nothing ever reaches disk; the test waits so that the disk path is always taken.
+    """
+    deadline = time.monotonic() + timeout
+    while (s := store.stats()).bytes_to_disk < s.bytes_put:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{s.bytes_put - s.bytes_to_disk} bytes not on disk after {timeout} s"
+            )
+        time.sleep(0.001)
 
 
 def main() -> None:
@@ -100,6 +119,11 @@ def main() -> None:
     )
     parser.add_argument("--disk-dir", help="parent of the spill directories (default: config)")
     parser.add_argument("--out", type=Path, help="write per-rank gradients and stats here")
+    parser.add_argument(
+        "--spill-before-backward",
+        action="store_true",
+        help="wait before each backward until every saved tensor is on disk (for tests)",
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")

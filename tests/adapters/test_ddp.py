@@ -45,6 +45,7 @@ def test_ddp_two_ranks_offloaded_gradients_equal_plain(tmp_path: Path) -> None:
             str(out),
             "--disk-dir",
             str(spill),
+            "--spill-before-backward",
         ],
         env=env,
         capture_output=True,
