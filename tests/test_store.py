@@ -1380,3 +1380,23 @@ def test_a_tensor_too_big_to_rest_in_the_host_tier_needs_the_disk_to_take_it(
     wait_for(lambda: settled(store))
     assert store.tier_of(h) is Tier.DISK and store.stats().kept_no_room == 0
     store.close()
+
+
+def test_a_small_put_that_would_push_a_big_entry_onto_a_full_disk_is_refused(
+    disk_dir: Path,
+) -> None:
+    """A 4 MiB host tier holds one 4 MiB tensor; the disk tier takes 1 MiB. A 64 KiB put
+    would push the 4 MiB tensor down (the cascade moves whole entries, oldest first), which
+    the disk cannot take: it was admitted, and the host tier held 4.06 MiB of 4."""
+    store = tierstore.TieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=4 * MiB, disk_bytes=MiB, min_bytes=0
+    )
+    big = store.put(torch.randn(MiB))  # 4 MiB of float32
+    wait_for(lambda: settled(store))
+    with pytest.raises(TierFullError, match="no tier has room"):
+        store.put(torch.randn(16 * 1024))
+    wait_for(lambda: settled(store))
+    stats = store.stats()
+    assert stats.host.bytes <= 4 * MiB and stats.kept_no_room == 0, stats
+    assert store.tier_of(big) is Tier.HOST
+    store.close()

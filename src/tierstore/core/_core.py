@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import asyncio
     import concurrent.futures as cf
     import os
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
     import torch
 
@@ -182,42 +182,63 @@ class StoreCore:
         pushes down, on disk.
 
         Note: [Room for a put]
-            Entries over a tier's capacity whose move is held back (by the save semaphore,
-            or by copies paused after a failure) have no room reserved below yet, but will
-            take it: device entries over ``device_bytes`` land in the host tier, and host
-            entries over ``host_bytes`` on disk. Counting only each tier's free room, puts
-            from several threads (each admitted before it waits) filled the host tier
-            several tensors past its capacity and the disk tier past its own, where a put
-            should have raised ``TierFullError``. What the host tier will hold is what it
-            holds, less the spills in flight (their disk room is taken already), plus the
-            copies on their way into it and the device entries waiting for one; fetched
-            copies of accelerator entries whose home is the host tier count there, since
-            they return to it. What goes to disk is measured as the disk counts it, in
-            footprints (whole pages, chunk files): in bytes, a tensor whose footprint did
-            not fit was admitted and kept in host memory past its capacity.
+            A put fits when the disk tier can take what the cascade will write once the put
+            lands and every move waiting now has run: entries over a tier's capacity whose
+            move is held back (by the save semaphore, or by copies paused after a failure)
+            have no room reserved below yet, but will take it. Counting only each tier's
+            free room, puts from several threads (each admitted before it waits) filled the
+            host tier several tensors past its capacity and the disk tier past its own,
+            where a put should have raised ``TierFullError``. The cascade moves whole
+            entries, oldest first, so the count follows it entry by entry
+            (:meth:`_spills_after`) and measures each as the disk does, in footprints (whole
+            pages, chunk files). Counted in bytes, a 64 KiB put beside a 4 MiB host entry
+            was admitted into a 4 MiB host tier whose oldest entry the 1 MiB disk could not
+            take, and the host tier ran past its capacity; counted in bytes, a tensor whose
+            footprint did not fit was admitted and kept in host memory.
         """
         cfg, table = self.config, self.table
-        dev_over = table.resting[Tier.DEVICE] - cfg.device_bytes
-        spilling = self.semaphore.inflight - table.host_reserved
-        host_load = table.used[Tier.HOST] - spilling + table.host_reserved + max(0, dev_over)
-        above = max(0, -dev_over) + max(0, cfg.host_bytes - host_load)
-        if nbytes <= above:
+        if table.resting[Tier.DEVICE] + nbytes <= cfg.device_bytes:
+            return True  # it rests on its device and moves nothing
+        spills = list(self._spills_after(nbytes))
+        if not spills:
             return True
-        disk = self.disk.room(table.used[Tier.DISK])
-        if disk <= 0:
-            return False
-        footprint = self.disk.footprint
-        over = max(0, host_load - cfg.host_bytes)
-        if nbytes <= cfg.host_bytes + max(0, -dev_over):
-            # It rests above once older entries make room: what waits over the host tier
-            # and what it pushes down go to disk (one footprint's rounding for the lot).
-            need = footprint(nbytes - above) + (footprint(over) if over else 0)
-        else:
-            # Too big to rest above: the cascade, oldest first, spills every entry of the
-            # host tier and then this one (counted as the store's free room, it was
-            # admitted into a disk that could not take it, and kept in host memory).
-            need = (footprint(host_load) if host_load > 0 else 0) + footprint(nbytes)
-        return need <= disk
+        room = self.disk.room(table.used[Tier.DISK])  # 0 with no disk tier, or while paused
+        return room > 0 and sum(map(self.disk.footprint, spills)) <= room
+
+    def _spills_after(self, nbytes: int) -> Iterator[int]:
+        """The sizes of the entries the cascade will write to disk, oldest first, once a put
+        of ``nbytes`` lands and every move held back now has run (Note: [Room for a put]).
+
+        The oldest entries resting on the device go to the host tier while the device tier
+        is over ``device_bytes``, the new one last. The host tier then holds what it holds,
+        less the spills in flight (their disk room is taken), plus the copies on their way
+        into it and what comes down; fetched copies of accelerator entries whose home is the
+        host tier count there, since they return to it. While it is over ``host_bytes`` its
+        oldest resting entries are written, then what came down. Bytes over capacity that
+        no entry of the walk accounts for (copies still landing, fetched copies) are
+        yielded as one size.
+        """
+        cfg, table = self.config, self.table
+        down: list[int] = []
+        over = table.resting[Tier.DEVICE] + nbytes - cfg.device_bytes
+        for e in table.resting_oldest_first(Tier.DEVICE):
+            if over <= 0:
+                break
+            down.append(e.nbytes)
+            over -= e.nbytes
+        if over > 0:
+            down.append(nbytes)
+        spilling = self.semaphore.inflight - table.host_reserved
+        held = table.used[Tier.HOST] - spilling + table.host_reserved
+        over = held + sum(down) - cfg.host_bytes
+        resting = (e.nbytes for e in table.resting_oldest_first(Tier.HOST))
+        for size in itertools.chain(resting, down):
+            if over <= 0:
+                return
+            yield size
+            over -= size
+        if over > 0:
+            yield over
 
     def cascade(self, new: Entry | None = None, arrived: Entry | None = None) -> None:
         """Plan the cascade and carry it out (Note: [The cascade]). ``arrived`` is an entry
