@@ -472,6 +472,27 @@ def test_a_model_with_tierstores_checkpoint_pickles(tmp_path: Path) -> None:
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     assert checkpointing_on(loaded)
+    # The loaded model's methods are still tierstore's, bound to it: the Trainer's enable
+    # keeps tierstore's checkpoint on every layer. They were transformers' own (unpickling
+    # looked the name up before the instance's dict was back), and the Trainer's call put
+    # torch's checkpoint there.
+    name = "activation" if HAS_ACTIVATION_NAMES else "gradient"
+    getattr(loaded, f"{name}_checkpointing_enable")()
+    for layer in loaded.model.layers:
+        assert layer._gradient_checkpointing_func.func is tierstore.checkpoint
+    ids = torch.randint(0, 128, (2, 24))
+    store = tierstore.default_store()  # its min_bytes leaves these small inputs in place
+
+    def seen() -> int:
+        stats = store.stats()
+        return stats.puts + sum(stats.skipped.values())
+
+    before = seen()
+    loaded.train()
+    loaded(ids, labels=ids).loss.backward()
+    assert seen() > before
+    turn_checkpointing_off(loaded)  # the loaded model's own, not the original's
+    assert not checkpointing_on(loaded) and checkpointing_on(model)
 
 
 def test_peft_tuner_models_are_looked_through() -> None:

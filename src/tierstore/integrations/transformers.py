@@ -24,10 +24,10 @@ Note: [A wrapped model]
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
-import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -120,30 +120,53 @@ def enable_offloaded_checkpointing(
             "which cannot take a checkpoint function; update the model's code"
         )
     _install(model, store, {}, every_n_layers)
-    # Bound to the model, so that ``copy.deepcopy(model)`` binds them to the copy (a copied
-    # method is rebound to the copied object; a closure would still name this model).
-    enable = functools.partial(_enable, store=store, chosen=every_n_layers)
-    replacements: dict[str, Callable[..., None]] = {
-        "activation_checkpointing_enable": enable,
-        "gradient_checkpointing_enable": functools.partial(_enable_legacy, enable=enable),
-        "activation_checkpointing_disable": _disable,
-        "gradient_checkpointing_disable": _disable,
-    }
-    for name, fn in replacements.items():
-        original = getattr(type(model), name, None)
-        if original is None:
-            continue
-        # What help() and inspect show: the method's own parameters, not the keywords bound
-        # here (a partial of its own per name, as two names share ``enable``); and its name,
-        # which pickling a bound method looks up (``torch.save(model)``).
-        if isinstance(fn, functools.partial):
-            method = functools.partial(fn.func, *fn.args, **fn.keywords)
-        else:
-            method = functools.partial(fn)
-        method.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
-        method.__name__ = method.__qualname__ = name  # type: ignore[attr-defined]
-        # On the instance, so the class and other models stay as they are.
-        object.__setattr__(model, name, types.MethodType(method, model))
+    for name in _METHODS:
+        if getattr(type(model), name, None) is not None:
+            # On the instance, so the class and other models stay as they are.
+            object.__setattr__(model, name, _Method(model, name, store, every_n_layers))
+
+
+class _Method:
+    """One of the checkpointing methods, replaced on one model instance (Note: [The Trainer's
+    own switch]).
+
+    Note: [Replaced methods travel with the model]
+        A copy of the model must checkpoint into the same store and switch itself, and so
+        must a model saved whole and loaded back (``torch.save(model)``). A bound method
+        (``types.MethodType``) deep-copies right, but pickles as ``getattr(model, name)``,
+        which unpickling calls before it restores the model's ``__dict__``: it found
+        transformers' own method and stored that on the instance, so the loaded model's next
+        enable put torch's checkpoint on every layer, and the store received nothing. This
+        object pickles as what rebuilds it on the loaded model, and deep-copies onto the copy
+        sharing the store (a store cannot be copied, nor pickled: a model enabled with a
+        store of its own pickles only with the default store).
+
+    ``help()`` and ``inspect`` show the method's own parameters, not the keywords bound here,
+    and its name.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, name: str, store: TieredStore | None, chosen: int
+    ) -> None:
+        self._model, self._name, self._store, self._chosen = model, name, store, chosen
+        enable = functools.partial(_enable, store=store, chosen=chosen)
+        self._fn: Callable[..., None] = {
+            "activation_checkpointing_enable": enable,
+            "gradient_checkpointing_enable": functools.partial(_enable_legacy, enable=enable),
+        }.get(name, _disable)
+        own = inspect.signature(getattr(type(model), name))
+        self.__signature__ = own.replace(parameters=list(own.parameters.values())[1:])
+        self.__name__ = self.__qualname__ = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self._fn(self._model, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[type[_Method], tuple[Any, ...]]:
+        return _Method, (self._model, self._name, self._store, self._chosen)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Method:
+        twin = copy.deepcopy(self._model, memo)
+        return _Method(twin, self._name, self._store, self._chosen)
 
 
 def _wrapped_model(model: torch.nn.Module) -> torch.nn.Module:
