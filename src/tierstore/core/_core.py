@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import asyncio
     import concurrent.futures as cf
     import os
-    from collections.abc import Callable, Iterable, Iterator
+    from collections.abc import Callable, Iterable
 
     import torch
 
@@ -199,13 +199,13 @@ class StoreCore:
         cfg, table = self.config, self.table
         if table.resting[Tier.DEVICE] + nbytes <= cfg.device_bytes:
             return True  # it rests on its device and moves nothing
-        spills = list(self._spills_after(nbytes))
+        spills = self._spills_after(nbytes)
         if not spills:
             return True
         room = self.disk.room(table.used[Tier.DISK])  # 0 with no disk tier, or while paused
         return room > 0 and sum(map(self.disk.footprint, spills)) <= room
 
-    def _spills_after(self, nbytes: int) -> Iterator[int]:
+    def _spills_after(self, nbytes: int) -> list[int]:
         """The sizes of the entries the cascade will write to disk, oldest first, once a put
         of ``nbytes`` lands and every move held back now has run (Note: [Room for a put]).
 
@@ -215,30 +215,38 @@ class StoreCore:
         into it and what comes down; fetched copies of accelerator entries whose home is the
         host tier count there, since they return to it. While it is over ``host_bytes`` its
         oldest resting entries are written, then what came down. Bytes over capacity that
-        no entry of the walk accounts for (copies still landing, fetched copies) are
-        yielded as one size.
+        no entry of the walk accounts for (copies still landing, fetched copies) count as
+        one more size.
         """
         cfg, table = self.config, self.table
         down: list[int] = []
         over = table.resting[Tier.DEVICE] + nbytes - cfg.device_bytes
-        for e in table.resting_oldest_first(Tier.DEVICE):
-            if over <= 0:
-                break
-            down.append(e.nbytes)
-            over -= e.nbytes
+        if over > 0 and table.resting[Tier.DEVICE]:
+            for e in table.resting_oldest_first(Tier.DEVICE):
+                down.append(e.nbytes)
+                over -= e.nbytes
+                if over <= 0:
+                    break
         if over > 0:
             down.append(nbytes)
         spilling = self.semaphore.inflight - table.host_reserved
         held = table.used[Tier.HOST] - spilling + table.host_reserved
         over = held + sum(down) - cfg.host_bytes
-        resting = (e.nbytes for e in table.resting_oldest_first(Tier.HOST))
-        for size in itertools.chain(resting, down):
+        spills: list[int] = []
+        if over > 0 and table.resting[Tier.HOST]:
+            for e in table.resting_oldest_first(Tier.HOST):
+                spills.append(e.nbytes)
+                over -= e.nbytes
+                if over <= 0:
+                    return spills
+        for size in down:
             if over <= 0:
-                return
-            yield size
+                return spills
+            spills.append(size)
             over -= size
         if over > 0:
-            yield over
+            spills.append(over)
+        return spills
 
     def cascade(self, new: Entry | None = None, arrived: Entry | None = None) -> None:
         """Plan the cascade and carry it out (Note: [The cascade]). ``arrived`` is an entry
