@@ -129,3 +129,15 @@ def test_what_the_device_tier_pushes_down_is_counted() -> None:
     # Even 512 KiB push the 2 MiB entry down, through a host tier too small for it.
     assert not fits(M // 2, **{**tiers, "disk_left": 0})
     assert fits(M // 2, **{**tiers, "disk_left": 2 * M})
+
+
+def test_copies_landing_and_fetched_copies_count_whole_and_first() -> None:
+    """A 4 MiB copy on its way into a 4 MiB host tier (or a 4 MiB entry of that tier fetched
+    back to its device, which returns there), a 2 MiB disk: a 64 KiB put would push the
+    4 MiB entry, the oldest, down. Counted as the bytes over capacity, 64 KiB, it was
+    admitted, and the host tier held 4.06 MiB of 4."""
+    landing = {"host_bytes": 4 * M, "host_reserved": 4 * M, "disk_left": 2 * M}
+    assert not fits(64 << 10, **landing)
+    assert fits(64 << 10, **{**landing, "disk_left": 4 * M})
+    fetched = {"host_bytes": 4 * M, "host_used": 4 * M, "disk_left": 2 * M}
+    assert not fits(64 << 10, **fetched)

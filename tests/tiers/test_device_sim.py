@@ -476,6 +476,25 @@ def test_device_entries_waiting_for_a_copy_count_against_the_host_tiers_room(
         assert torch.equal(on_host(store.get(h)), want)
 
 
+def test_a_copy_on_its_way_into_a_full_host_tier_counts_whole(env: Env) -> None:
+    """Note: [Room for a put]: a 4 MiB copy on its way into a 4 MiB host tier, a 2 MiB disk
+    tier. A 64 KiB put would push the 4 MiB entry, the oldest, onto the disk, which cannot
+    take it. The copy was counted as bytes, the 64 KiB put admitted, and the host tier then
+    held 4.06 MiB of 4."""
+    store = env.store("host", host_bytes=4 * MiB, disk_bytes=2 * MiB)
+    with env.sim.hold(torch.accelerator.current_stream("cuda:0")):
+        big = torch.ones(MiB, device="cuda:0") * 2  # 4 MiB, its producer still queued
+        h = store.put(big)
+        del big
+        with pytest.raises(tierstore.TierFullError, match="no tier has room"):
+            store.put(torch.ones(16 * 1024, device="cuda:0") * 3)
+    assert rests(store, h) is Tier.HOST
+    wait_for(lambda: settled(store))
+    stats = store.stats()
+    assert stats.host.peak_bytes <= 4 * MiB and stats.kept_no_room == 0, stats
+    assert torch.equal(on_host(store.get(h)), torch.full((MiB,), 2.0))
+
+
 def test_an_unlimited_host_tier_pins_what_it_holds(env: Env) -> None:
     """Note: [Pinned as needed, in power-of-two pieces]: a store whose host tier is
     "unlimited" once pinned all of the machine's memory at its first copy (on an H200 that

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import asyncio
     import concurrent.futures as cf
     import os
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
     import torch
 
@@ -199,13 +199,15 @@ class StoreCore:
         cfg, table = self.config, self.table
         if table.resting[Tier.DEVICE] + nbytes <= cfg.device_bytes:
             return True  # it rests on its device and moves nothing
-        spills = self._spills_after(nbytes)
-        if not spills:
-            return True
-        room = self.disk.room(table.used[Tier.DISK])  # 0 with no disk tier, or while paused
-        return room > 0 and sum(map(self.disk.footprint, spills)) <= room
+        room: int | None = None
+        for size in self._spills_after(nbytes):
+            if room is None:
+                room = self.disk.room(table.used[Tier.DISK])  # 0: no disk tier, or paused
+            if room <= 0 or (room := room - self.disk.footprint(size)) < 0:
+                return False
+        return True
 
-    def _spills_after(self, nbytes: int) -> list[int]:
+    def _spills_after(self, nbytes: int) -> Iterator[int]:
         """The sizes of the entries the cascade will write to disk, oldest first, once a put
         of ``nbytes`` lands and every move held back now has run (Note: [Room for a put]).
 
@@ -213,10 +215,11 @@ class StoreCore:
         is over ``device_bytes``, the new one last. The host tier then holds what it holds,
         less the spills in flight (their disk room is taken), plus the copies on their way
         into it and what comes down; fetched copies of accelerator entries whose home is the
-        host tier count there, since they return to it. While it is over ``host_bytes`` its
-        oldest resting entries are written, then what came down. Bytes over capacity that
-        no entry of the walk accounts for (copies still landing, fetched copies) count as
-        one more size.
+        host tier count there, since they return to it. While it is over ``host_bytes``, the
+        cascade writes its oldest entries whole. The copies landing and the fetched copies
+        (an accelerator's; on the CPU there are none) are older than what comes down, but
+        the walk cannot name them without reading every entry: they count first, as one
+        size, whole. Then the oldest resting entries, then what came down.
         """
         cfg, table = self.config, self.table
         down: list[int] = []
@@ -232,21 +235,21 @@ class StoreCore:
         spilling = self.semaphore.inflight - table.host_reserved
         held = table.used[Tier.HOST] - spilling + table.host_reserved
         over = held + sum(down) - cfg.host_bytes
-        spills: list[int] = []
+        unnamed = held - table.resting[Tier.HOST]
+        if over > 0 and unnamed > 0:
+            yield unnamed
+            over -= unnamed
         if over > 0 and table.resting[Tier.HOST]:
             for e in table.resting_oldest_first(Tier.HOST):
-                spills.append(e.nbytes)
+                yield e.nbytes
                 over -= e.nbytes
                 if over <= 0:
-                    return spills
+                    return
         for size in down:
             if over <= 0:
-                return spills
-            spills.append(size)
+                return
+            yield size
             over -= size
-        if over > 0:
-            spills.append(over)
-        return spills
 
     def cascade(self, new: Entry | None = None, arrived: Entry | None = None) -> None:
         """Plan the cascade and carry it out (Note: [The cascade]). ``arrived`` is an entry
