@@ -97,9 +97,16 @@ def wait_until_written(store: tierstore.TieredStore, timeout: float = 60.0) -> N
     Training never needs this: backward reads a tensor from wherever it is. A tiny model's
     backward can start before the store's threads spilled anything (on a loaded machine), and
     then nothing ever reaches disk; the test waits so that the disk path is always taken.
+
+    Raises:
+        RuntimeError: a spill write failed: the tensor stays in memory, and the store retries
+            only at a later call, so waiting here would not see it written.
+        TimeoutError: not everything was written within ``timeout`` seconds.
     """
     deadline = time.monotonic() + timeout
     while (s := store.stats()).bytes_to_disk < s.bytes_put:
+        if s.write_errors:
+            raise RuntimeError(f"{s.write_errors} spill writes failed: {s.summary()}")
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"{s.bytes_put - s.bytes_to_disk} bytes not on disk after {timeout} s"
