@@ -146,3 +146,18 @@ def test_an_entry_on_its_way_down_keeps_the_walk_linear() -> None:
     walk.cursor = 1601
     # Newest first: the entry that landed, then where the walk had stopped.
     assert walk.plan(keys, _sizes(sizes), budget=100) == [1600, 999]
+
+
+def test_a_new_sweep_is_not_at_its_end_before_it_walks() -> None:
+    """The first walk of a new backward pass, with no room in the window, kept the last
+    sweep's end: ``exhausted`` said the new sweep was over before it had looked at anything,
+    and the read pool could hand back the buffers it was about to use."""
+    keys = [1, 2, 3, 4, 5, 6]
+    walk = PrefetchWalk()
+    walk.cursor = 3
+    assert walk.plan(keys, _sizes({1: 10, 2: 10}), budget=100) == [2, 1]
+    assert walk.exhausted
+    walk.cursor = 6  # the next step's backward begins
+    assert walk.plan(keys, _sizes({4: 10, 5: 10}), budget=0) == []
+    assert not walk.exhausted
+    assert walk.plan(keys, _sizes({4: 10, 5: 10}), budget=100) == [5, 4]

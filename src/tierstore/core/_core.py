@@ -251,16 +251,15 @@ class StoreCore:
             yield size
             over -= size
 
-    def cascade(self, new: Entry | None = None, arrived: Entry | None = None) -> None:
-        """Plan the cascade and carry it out (Note: [The cascade]). ``arrived`` is an entry
-        whose copy just landed in the host tier.
+    def cascade(self, new: Entry | None = None) -> None:
+        """Plan the cascade and carry it out (Note: [The cascade]).
 
         Raises:
             TierFullError: the compact host copy of ``new``, the entry ``put`` is adding, could
                 not be made (Note: [A failed host copy keeps nothing]).
         """
         if not self.closed:  # while close() drains the transfers in flight, start none
-            _moves.cascade(self, new, arrived)
+            _moves.cascade(self, new)
 
     # ------------------------------------------------------------------ get and prefetch
 

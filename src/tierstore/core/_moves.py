@@ -26,13 +26,12 @@ log = logging.getLogger("tierstore")
 S = TensorState
 
 
-def cascade(core: StoreCore, new: Entry | None, arrived: Entry | None = None) -> None:
+def cascade(core: StoreCore, new: Entry | None) -> None:
     """Move the oldest entries of over-full tiers down (Note: [The cascade]).
 
     Args:
         core: the store, its lock held.
         new: the entry ``put`` is adding now, if any.
-        arrived: an entry whose copy just landed in the host tier, if any.
 
     Raises:
         TierFullError: the compact host copy of ``new`` could not be made (Note: [A failed

@@ -103,7 +103,9 @@ class PrefetchWalk:
             and self.cursor <= self._walked_from
         )
         if not resuming:
+            # A new sweep: what the last one found (its end included) no longer holds.
             self._pending = []
+            self._walked_from = self._resume_at = None
         if budget <= 0:
             return []
         chosen: list[int] = []

@@ -108,7 +108,7 @@ class Transfers:
                 e.ready = None
                 e.version = None  # the host copy is the store's own
                 core.table.set_state(e, S.HOST)
-            core.cascade(arrived=e)
+            core.cascade()
             core.plan_prefetch()  # Note: [An entry on its way down]
 
     async def spill_many(self, entries: list[Entry]) -> None:
