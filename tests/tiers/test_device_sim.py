@@ -291,6 +291,30 @@ def test_device_copies(env: Env, scenario: str, device: str, layout: str) -> Non
     SCENARIOS[scenario](env, device, layout)
 
 
+def test_a_second_stream_taking_a_kept_upload_waits_for_it(env: Env) -> None:
+    """Note: [Every stream that takes an upload]: the adapters keep what a get returned while
+    a view of it lives, and a second unpack may run on another stream. The first hand-over
+    forgot the upload, so the second stream read the bytes with nothing ordering it after
+    the copy (the race checker's report, or bytes not copied yet)."""
+    from tierstore.adapters._storage import Stored
+
+    store = env.store("host")
+    t, want = produced("cuda:0", "contiguous", seed=11)
+    h = store.put(t)
+    del t
+    assert rests(store, h) is Tier.HOST
+    stored = Stored(store, h)
+    with torch.Stream(device="cuda:0"):
+        first = stored.flat()
+    with torch.Stream(device="cuda:0"):
+        second = stored.flat()
+        assert second is first
+        doubled = second * 2  # read on the second stream
+        del first, second
+        assert torch.equal(on_host(doubled), want * 2)
+    del stored
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_reloads_are_queued_on_the_consumers_stream(env: Env, device: str) -> None:
     """Note: [Copy ordering on an accelerator], from inside: a get of a host-resident entry

@@ -65,6 +65,7 @@ from tierstore.adapters._common import (
 )
 from tierstore.core._checks import version_of
 from tierstore.errors import TensorModifiedError, TierFullError, UnsupportedTensorError
+from tierstore.tiers._device import hand_over
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -120,6 +121,10 @@ class Stored:
                     f"it was written in place (version {self._cache_version} at the first "
                     f"unpack, {version_of(flat)} now)"
                 )
+            else:
+                # An unpack on another stream than the first's waits for the upload too
+                # (Note: [Every stream that takes an upload] in tiers/_device.py).
+                hand_over(flat)
             return flat
 
 

@@ -29,6 +29,14 @@ Note: [Copy ordering on an accelerator]
     copy nobody takes (its entry released first) makes its memory's stream wait on the copy's
     event before the store drops it (:func:`discard`): the allocator would otherwise hand the
     memory to the next tensor on that stream while the copy still writes it.
+
+Note: [Every stream that takes an upload]
+    One upload can be taken on several streams: the adapters keep the tensor a get returned
+    while any view of it lives, and two saved tensors of one storage may be unpacked by
+    backward ops on different streams. The first hand-over used to forget the upload, so a
+    second stream read the bytes with nothing ordering it after the copy. The upload is now
+    remembered while the tensor lives, with the streams already ordered after it, and each
+    new stream waits on its event once.
 """
 
 from __future__ import annotations
@@ -67,7 +75,8 @@ log = logging.getLogger("tierstore")
 _side_streams: dict[tuple[str, int, str], Any] = {}
 _side_lock = threading.Lock()
 _pin_state: dict[str, bool] = {}
-# Uploads not yet handed over: the tensor -> (the copy's event, the stream it was allocated on).
+# Uploads while their tensor lives: the tensor -> (the copy's event, the stream it was allocated
+# on, the streams already ordered after it; Note: [Every stream that takes an upload]).
 _uploads: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _uploads_lock = threading.Lock()
 # Host sources of uploads that have no pool to hold them: kept until their copy's event ends.
@@ -231,23 +240,28 @@ def upload(
     else:
         _hold(host, done)
     with _uploads_lock:
-        _uploads[out] = (done, consumer)
+        _uploads[out] = (done, consumer, [])
     return out
 
 
 def hand_over(t: torch.Tensor) -> None:
     """Order the caller's current stream after the upload that made ``t`` (no-op otherwise).
 
-    Call it in the thread that will use ``t``, before using it. Idempotent.
+    Call it in the thread that will use ``t``, before using it, on every stream that will
+    use it: each stream is ordered once (Note: [Every stream that takes an upload]).
     """
     if t.device.type == "cpu":
         return
     with _uploads_lock:
-        pending = _uploads.pop(t, None)  # type: ignore[no-untyped-call]
+        pending = _uploads.get(t, None)  # type: ignore[no-untyped-call]
     if pending is None:
         return
-    done, owner = pending
+    done, owner, ordered = pending
     stream = _accelerator.current_stream(t.device)
+    with _uploads_lock:
+        if any(stream == s for s in ordered):
+            return
+        ordered.append(stream)
     stream.wait_event(done)
     if stream != owner:
         # Its memory returns to ``owner``'s pool when freed; make the free wait for us too.
@@ -265,7 +279,7 @@ def discard(t: torch.Tensor) -> None:
     with _uploads_lock:
         pending = _uploads.pop(t, None)  # type: ignore[no-untyped-call]
     if pending is not None:
-        done, owner = pending
+        done, owner, _ = pending
         owner.wait_event(done)
 
 
