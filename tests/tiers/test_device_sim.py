@@ -315,6 +315,54 @@ def test_a_second_stream_taking_a_kept_upload_waits_for_it(env: Env) -> None:
     del stored
 
 
+def test_a_thread_finds_a_stream_ordered_only_once_its_wait_is_queued(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [Every stream that takes an upload]: two threads on one stream take the same
+    upload (two gets of one entry, one answered by its future and one finding it fetched).
+    The stream was marked ordered before its wait was queued, so the second thread, finding
+    it marked, queued its read ahead of the first one's wait and read bytes not copied yet.
+    The first thread is held between marking and waiting here."""
+    from gpusim._sim import SimStream
+
+    stream = torch.Stream(device="cuda:0")
+    host = torch.full((1024,), 7.0).pin_memory()
+    with stream:
+        kept = [_device.upload(host, torch.device("cuda:0"), stream)]  # dropped at the end
+    a_waiting, b_done = threading.Event(), threading.Event()
+    real_wait = SimStream.wait_event
+
+    def slow_wait(self: SimStream, event: object) -> None:
+        if threading.current_thread().name == "A":
+            a_waiting.set()
+            b_done.wait(0.5)  # B runs meanwhile, unless it is held back
+        real_wait(self, event)
+
+    monkeypatch.setattr(SimStream, "wait_event", slow_wait)
+    got: dict[str, torch.Tensor] = {}
+
+    def a() -> None:
+        with stream:
+            _device.hand_over(kept[0])
+
+    def b() -> None:
+        a_waiting.wait(5)
+        with stream:
+            _device.hand_over(kept[0])
+            got["doubled"] = kept[0] * 2
+        b_done.set()
+
+    threads = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    monkeypatch.setattr(SimStream, "wait_event", real_wait)
+    with stream:
+        assert torch.equal(on_host(got.pop("doubled")), torch.full((1024,), 14.0))
+        kept.clear()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_reloads_are_queued_on_the_consumers_stream(env: Env, device: str) -> None:
     """Note: [Copy ordering on an accelerator], from inside: a get of a host-resident entry

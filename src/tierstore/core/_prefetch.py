@@ -74,8 +74,15 @@ class PrefetchWalk:
     def exhausted(self) -> bool:
         """Whether the last walk reached the oldest entry and left none on its way down:
         nothing older than the cursor is left to bring back, so a backward sweep is at its
-        end."""
-        return self.cursor is not None and self._resume_at == 0 and not self._pending
+        end. A cursor above where that walk began is a new sweep, which no walk has looked at
+        yet (its first walks may find no room in the window)."""
+        return (
+            self.cursor is not None
+            and self._walked_from is not None
+            and self.cursor <= self._walked_from
+            and self._resume_at == 0
+            and not self._pending
+        )
 
     def plan(
         self,
@@ -103,9 +110,7 @@ class PrefetchWalk:
             and self.cursor <= self._walked_from
         )
         if not resuming:
-            # A new sweep: what the last one found (its end included) no longer holds.
             self._pending = []
-            self._walked_from = self._resume_at = None
         if budget <= 0:
             return []
         chosen: list[int] = []

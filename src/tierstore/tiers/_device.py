@@ -252,20 +252,22 @@ def hand_over(t: torch.Tensor) -> None:
     """
     if t.device.type == "cpu":
         return
+    # Under the lock, the wait queued before the stream is marked: a second thread on the
+    # same stream must not find it marked and read before the wait is in the stream's order.
+    # These calls only enqueue work.
     with _uploads_lock:
         pending = _uploads.get(t, None)  # type: ignore[no-untyped-call]
-    if pending is None:
-        return
-    done, owner, ordered = pending
-    stream = _accelerator.current_stream(t.device)
-    with _uploads_lock:
+        if pending is None:
+            return
+        done, owner, ordered = pending
+        stream = _accelerator.current_stream(t.device)
         if any(stream == s for s in ordered):
             return
+        stream.wait_event(done)
+        if stream != owner:
+            # Its memory returns to ``owner``'s pool when freed; make the free wait for us too.
+            t.record_stream(stream)
         ordered.append(stream)
-    stream.wait_event(done)
-    if stream != owner:
-        # Its memory returns to ``owner``'s pool when freed; make the free wait for us too.
-        t.record_stream(stream)
 
 
 def discard(t: torch.Tensor) -> None:
@@ -273,14 +275,19 @@ def discard(t: torch.Tensor) -> None:
 
     The caching allocator reuses freed memory on the stream it belongs to at once; without
     this, a later tensor there could be written by the copy still running on the up stream.
+    The upload stays remembered while ``t`` lives: a getter that took it just before its
+    entry was released (or the store closed) still hands it over on its own stream.
     """
     if t.device.type == "cpu":
         return
     with _uploads_lock:
-        pending = _uploads.pop(t, None)  # type: ignore[no-untyped-call]
-    if pending is not None:
-        done, owner, _ = pending
-        owner.wait_event(done)
+        pending = _uploads.get(t, None)  # type: ignore[no-untyped-call]
+        if pending is None:
+            return
+        done, owner, ordered = pending
+        if not any(owner == s for s in ordered):
+            owner.wait_event(done)
+            ordered.append(owner)
 
 
 def copy_to_device(
