@@ -141,8 +141,8 @@ class _Method:
         sharing the store (a store cannot be copied, nor pickled: a model enabled with a
         store of its own pickles only with the default store).
 
-    ``help()`` and ``inspect`` show the method's own parameters, not the keywords bound here,
-    and its name.
+    ``inspect.signature`` shows the method's own parameters, not the keywords bound here
+    (PEFT and the Trainer read them), and ``__name__`` is the method's.
     """
 
     def __init__(
