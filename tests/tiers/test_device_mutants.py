@@ -105,8 +105,8 @@ GPU_MUTANTS = (
     _m(
         "unclaimed-upload-freed-early",
         "a reload nobody took is dropped without its memory's stream waiting for the copy",
-        "        owner.wait_event(done)\n",
-        "        pass\n",
+        "            _order_after_upload(t, pending[1])\n",
+        "            pass\n",
         "prefetched_then_released",
     ),
 )

@@ -256,18 +256,7 @@ def hand_over(t: torch.Tensor) -> None:
     # same stream must not find it marked and read before the wait is in the stream's order.
     # These calls only enqueue work.
     with _uploads_lock:
-        pending = _uploads.get(t, None)  # type: ignore[no-untyped-call]
-        if pending is None:
-            return
-        done, owner, ordered = pending
-        stream = _accelerator.current_stream(t.device)
-        if any(stream == s for s in ordered):
-            return
-        stream.wait_event(done)
-        if stream != owner:
-            # Its memory returns to ``owner``'s pool when freed; make the free wait for us too.
-            t.record_stream(stream)
-        ordered.append(stream)
+        _order_after_upload(t, _accelerator.current_stream(t.device))
 
 
 def discard(t: torch.Tensor) -> None:
@@ -282,12 +271,23 @@ def discard(t: torch.Tensor) -> None:
         return
     with _uploads_lock:
         pending = _uploads.get(t, None)  # type: ignore[no-untyped-call]
-        if pending is None:
-            return
-        done, owner, ordered = pending
-        if not any(owner == s for s in ordered):
-            owner.wait_event(done)
-            ordered.append(owner)
+        if pending is not None:
+            _order_after_upload(t, pending[1])
+
+
+def _order_after_upload(t: torch.Tensor, stream: Any) -> None:
+    """Make ``stream`` wait on the copy that made ``t``, once (``_uploads_lock`` held)."""
+    pending = _uploads.get(t, None)  # type: ignore[no-untyped-call]
+    if pending is None:
+        return
+    done, owner, ordered = pending
+    if any(stream == s for s in ordered):
+        return
+    stream.wait_event(done)
+    if stream != owner:
+        # Its memory returns to ``owner``'s pool when freed; make the free wait for us too.
+        t.record_stream(stream)
+    ordered.append(stream)
 
 
 def copy_to_device(
