@@ -86,9 +86,12 @@ class RawEngine(DiskEngine):
         self._chunk = config.io_chunk_bytes
         self._checksum = config.checksum == "crc32c"
         self._files: list[SpillFile] = []
+        # Chunks stripe evenly, so each file's share of the capacity is what it reserves ahead.
+        cap = config.disk_bytes
+        share = None if cap is None else pad(-(-cap // len(directories)))
         try:
             for d, probe in zip(directories, self._probes, strict=True):
-                self._files.append(SpillFile(d, probe.supported))
+                self._files.append(SpillFile(d, probe.supported, share))
             self._io = ChunkIO(config.io_threads, self._chunk, self._checksum)
         except BaseException:
             self._close_files()

@@ -22,8 +22,9 @@ SPILL_FILE = "spill.raw"
 GROW_MIN = 64 << 20
 GROW_MAX = 1 << 30
 # The file grows by doubling, from 64 MiB up to steps of 1 GiB: few fallocate calls for a big
-# spill, little unused reservation for a small one. Near a full disk it grows by exactly what
-# the blob needs before giving up with ENOSPC.
+# spill, little unused reservation for a small one. It reserves ahead only up to its share of
+# the disk tier's capacity, and past that, or near a full disk, grows by exactly what the blob
+# needs before giving up with ENOSPC.
 
 
 class SpillFile:
@@ -33,13 +34,17 @@ class SpillFile:
         directory: the private spill directory it is made in (``SPILL_FILE``, mode 0600,
             ``O_EXCL|O_NOFOLLOW``: a planted file or link is refused).
         direct: open it with O_DIRECT.
+        reserve_limit: the size up to which growth may reserve more than a blob needs (this
+            file's share of ``disk_bytes``), or None for no limit. A store capped at 2 MiB
+            reserved a 64 MiB file without it, space other processes on the disk could not use.
 
     Raises:
         OSError: the file cannot be created.
     """
 
-    def __init__(self, directory: Path, direct: bool) -> None:
+    def __init__(self, directory: Path, direct: bool, reserve_limit: int | None = None) -> None:
         self.path = directory / SPILL_FILE
+        self.reserve_limit = reserve_limit
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         self.fd = os.open(self.path, flags | (O_DIRECT if direct else 0), 0o600)
         if not direct:
@@ -76,6 +81,8 @@ class SpillFile:
                 return offset
             old = self.extents.size
             step = min(max(old, GROW_MIN), GROW_MAX)
+            if self.reserve_limit is not None:
+                step = min(step, max(self.reserve_limit - old, 0))
             for amount in dict.fromkeys((max(pad(nbytes), step), pad(nbytes))):
                 try:
                     os.posix_fallocate(self.fd, old, amount)
