@@ -312,6 +312,74 @@ def test_a_layer_that_checkpoints_itself_inside_checkpoint(store_factory: StoreF
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("passed", ["positional", "keyword"])
+def test_one_tensor_passed_as_several_arguments_is_one_tensor_in_the_recompute(
+    store_factory: StoreFactory, passed: str
+) -> None:
+    """Note: [One tensor passed twice is one tensor]: ``mha(h, h, h)`` takes the fused path
+    when ``query is key is value``. Rebuilt one by one from disk, the three were three tensors
+    in the recompute, which took the other path and raised ``CheckpointError``."""
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(256, 4, batch_first=True)
+    proj = nn.Linear(256, 256)
+    x = torch.randn(8, 128, 256)  # 1 MiB inputs: stored, and dead by backward
+
+    def run(ck: Any) -> list[torch.Tensor]:
+        mha.zero_grad()
+        proj.zero_grad()
+        h = proj(x)
+        args, kwargs = (
+            ((h, h, h), {}) if passed == "positional" else ((), dict(query=h, key=h, value=h))
+        )
+        out, _ = ck(mha, *args, **kwargs)
+        del h, args, kwargs  # nothing but the store keeps the input
+        loss = out.pow(2).sum()
+        wait_for(lambda: settled(store))
+        loss.backward()
+        return grads(mha) + grads(proj)
+
+    expected = run(lambda f, *a, **k: f(*a, **k))
+    got = run(lambda f, *a, **k: tierstore.checkpoint(f, *a, store=store, **k))
+    assert_equal_tensors(expected, got)
+    stats = stats_once_released(store)
+    assert stats.puts == 1 and stats.bytes_from_disk > 0  # one entry, read back from disk
+
+
+def test_a_checkpoint_of_an_enclosing_module_runs_directly_in_the_recompute_too(
+    store_factory: StoreFactory,
+) -> None:
+    """Note: [Checkpoint without recursion]: ``A`` checkpoints ``g``, which checkpoints a
+    method of ``A``. In the forward that runs directly (``A`` is running); the recompute of
+    ``g``'s checkpoint marked only ``g``, so there it became a checkpoint of its own, saved
+    nothing where the forward saved three tensors, and raised ``CheckpointError``."""
+    store = store_factory("disk")
+
+    def g(x: torch.Tensor, a: A) -> torch.Tensor:
+        return tierstore.checkpoint(a.inner, x, store=store)
+
+    class A(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def inner(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sin()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return tierstore.checkpoint(g, x, self, store=store)
+
+    torch.manual_seed(0)
+    a = A()
+    x = torch.randn(8, 64, requires_grad=True)
+    a.inner(x).pow(2).sum().backward()
+    expected = [*grads(a), x.grad.clone()]  # type: ignore[union-attr]
+    a.zero_grad()
+    x.grad = None
+    tierstore.checkpoint(a, x, store=store).pow(2).sum().backward()
+    assert_equal_tensors(expected, [*grads(a), x.grad])  # type: ignore[list-item]
+
+
 def test_eval_and_no_grad_store_nothing(store_factory: StoreFactory) -> None:
     store = store_factory("disk")
     layer = Counting()

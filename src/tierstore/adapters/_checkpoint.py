@@ -51,6 +51,7 @@ from tierstore.adapters._reentry import (
     marked,
     owner_of,
     run_directly,
+    running_keys,
     unwrap,
 )
 from tierstore.adapters._storage import Kept, Saved, StorageTable
@@ -108,6 +109,23 @@ class _Input:
         return t.detach().requires_grad_() if self.requires_grad else t
 
 
+class _Same:
+    """An argument that is the very tensor of an earlier one.
+
+    Note: [One tensor passed twice is one tensor]
+        ``attention(h, h, h)``: code takes other paths when arguments are the same object
+        (``nn.MultiheadAttention`` projects ``query is key is value`` with one fused matmul).
+        The recompute must see what the forward saw, so an argument that was the same tensor
+        as an earlier one is given the earlier one's object, rebuilt once; rebuilt one by one,
+        the recompute saved other tensors than the forward and raised ``CheckpointError``.
+    """
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
 _FRAME_READS_INPUTS = hasattr(torch_checkpoint._CheckpointFrame, "get_inputs")
 """Whether torch's unpack hook reads a frame's inputs through ``frame.get_inputs()``.
 
@@ -161,10 +179,15 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
     def save_inputs(self, *args: Any) -> None:
         table = _table_of(self.store)
         saved: list[Any] = []
+        first: dict[int, int] = {}  # id of a tensor argument -> where it was saved
         for arg in args:
             if not isinstance(arg, torch.Tensor):
                 saved.append(arg)
                 continue
+            if id(arg) in first:  # Note: [One tensor passed twice is one tensor]
+                saved.append(_Same(first[id(arg)]))
+                continue
+            first[id(arg)] = len(saved)
             packed = table.offload(self.store, arg, self.min_bytes)
             saved.append(
                 # Held as torch's frame holds it, its version checked as autograd would.
@@ -178,10 +201,15 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
         previous = self.prev() if self.prev is not None else None
         if previous is not None:
             previous.prefetch()
-        return [
-            a.get() if isinstance(a, _Input) else a.tensor() if isinstance(a, Kept) else a
-            for a in self.saved_args
-        ]
+        inputs: list[Any] = []
+        for a in self.saved_args:
+            if isinstance(a, _Same):
+                inputs.append(inputs[a.index])
+            else:
+                inputs.append(
+                    a.get() if isinstance(a, _Input) else a.tensor() if isinstance(a, Kept) else a
+                )
+        return inputs
 
     def prefetch(self) -> None:
         handles = [a.saved.stored.handle for a in self.saved_args if isinstance(a, _Input)]
@@ -249,6 +277,9 @@ def _frames(
     device_states: list[torch.Tensor] = []
     if had_device:
         devices, device_states = tc.get_device_states(*tensors)
+    # Note: [Checkpoint without recursion]: the recompute runs as the forward did, inside
+    # every checkpoint that encloses this one.
+    enclosing = running_keys()
 
     def recompute(*inputs: Any) -> None:
         with torch.random.fork_rng(
@@ -270,7 +301,7 @@ def _frames(
                 torch.amp.autocast("cpu", **cpu_autocast),
                 recompute_context,
                 device_ctx,
-                marked(key),
+                marked(key, *enclosing),
             ):
                 function(*args, **kwargs)
 

@@ -9,7 +9,11 @@ Note: [Checkpoint without recursion]
     nested ``checkpoint`` of that same module runs it directly, and where the module's
     ``forward`` was replaced on the instance, runs the class's own ``forward``. Each layer is
     thus checkpointed once and computed exactly once per forward and once per recompute.
-    Checkpoints of different functions nest as in torch.
+    Checkpoints of different functions nest as in torch. A recompute marks what was marked
+    when its forward ran, the enclosing checkpoints' modules too: marking only its own, a
+    nested checkpoint of an enclosing module ran directly in the forward but became a
+    checkpoint of its own in the recompute, which then saved other tensors than the forward
+    (``CheckpointError``).
 
 Note: [A wrapped forward runs the module's hooks once]
     ``layer.forward = partial(checkpoint, layer, ...)``: ``layer(x)`` runs the module's
@@ -41,7 +45,15 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["called_by_its_own_call", "is_running", "marked", "owner_of", "run_directly", "unwrap"]
+__all__ = [
+    "called_by_its_own_call",
+    "is_running",
+    "marked",
+    "owner_of",
+    "run_directly",
+    "running_keys",
+    "unwrap",
+]
 
 _local = threading.local()
 
@@ -73,16 +85,24 @@ def _running() -> dict[int, int]:
     return running
 
 
+def running_keys() -> tuple[int, ...]:
+    """The keys marked running on this thread now (for a recompute to mark them again)."""
+    return tuple(_running())
+
+
 @contextlib.contextmanager
-def marked(key: int) -> Iterator[None]:
+def marked(*keys: int) -> Iterator[None]:
+    """Mark ``keys`` running on this thread within the block."""
     running = _running()
-    running[key] = running.get(key, 0) + 1
+    for key in keys:
+        running[key] = running.get(key, 0) + 1
     try:
         yield
     finally:
-        running[key] -= 1
-        if not running[key]:
-            del running[key]
+        for key in keys:
+            running[key] -= 1
+            if not running[key]:
+                del running[key]
 
 
 def unwrap(
