@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from tierstore.tiers import open_engine
 from tierstore.tiers._zarr import GROUP, ZarrEngine
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Callable
     from pathlib import Path
 
     from tierstore.tiers import DiskEngine
@@ -187,6 +188,33 @@ async def test_a_missing_chunk_file_is_detected(engine: ZarrEngine) -> None:
         await engine.read(1, torch.empty_like(src))
 
 
+def _set_byte_order(meta: dict[str, Any], order: str) -> None:
+    for codec in meta["codecs"]:
+        if codec["name"] == "bytes":
+            codec["configuration"]["endian"] = order
+
+
+def _set_dtype(meta: dict[str, Any], dtype: str) -> None:
+    meta["data_type"] = dtype
+
+
+@pytest.mark.parametrize("edit", [_set_byte_order, _set_dtype], ids=["byte order", "dtype"])
+async def test_an_edited_zarr_json_is_detected(
+    engine: ZarrEngine, edit: Callable[[dict[str, Any], str], None]
+) -> None:
+    """Note: [The metadata is checked too]: the checksums cover the chunks, not how to decode
+    them; an edited byte order or dtype read intact chunks back as other values, no error."""
+    t = torch.randn(3 * CHUNK // 4)
+    raw = t.view(torch.uint8)
+    await engine.write(1, raw, dtype=torch.float32, shape=tuple(t.shape))
+    path = _array_dir(engine, 1) / "zarr.json"
+    meta = json.loads(path.read_text())
+    edit(meta, "big" if edit is _set_byte_order else "int32")
+    path.write_text(json.dumps(meta))
+    with pytest.raises(CorruptTensorError, match=r"zarr\.json changed"):
+        await engine.read(1, torch.empty_like(raw))
+
+
 async def test_a_full_directory_is_skipped_until_it_has_room(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -203,12 +231,12 @@ async def test_a_full_directory_is_skipped_until_it_has_room(
     full = {"yes": True}
     real_write, real_free = ZarrEngine._write, _zarr.free_space
 
-    def write(self: ZarrEngine, key: int, src: torch.Tensor, *args: object) -> None:
+    def write(self: ZarrEngine, key: int, src: torch.Tensor, *args: object) -> object:
         home = args[-1]
         if full["yes"] and home == 0:
             (first / f"{key:016x}").mkdir()  # what a write makes before the disk fills
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real_write(self, key, src, *args)  # type: ignore[arg-type]
+        return real_write(self, key, src, *args)  # type: ignore[arg-type]
 
     def free_bytes(path: Path) -> int:
         return 0 if full["yes"] and path == first else real_free(path)

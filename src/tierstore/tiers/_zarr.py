@@ -101,8 +101,9 @@ class ZarrEngine(DiskEngine):
         for root in self._roots:
             zarr.open_group(str(root), mode="w-", zarr_format=3)
             _make_private(root)
-        self._stored: dict[int, tuple[int, int]] = {}
-        """Each stored key's bytes and the directory (index) its array is in."""
+        self._stored: dict[int, tuple[int, int, Any]] = {}
+        """Each stored key's bytes, the directory (index) its array is in, and the array's
+        metadata as written (Note: [The metadata is checked too])."""
         self._full: set[int] = set()
         self._warned_full: set[int] = set()
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-zarr")
@@ -170,7 +171,7 @@ class ZarrEngine(DiskEngine):
         for n, home in enumerate(homes):
             fut = loop.run_in_executor(self._pool, self._write, key, src, dtype, shape, home)
             try:
-                await asyncio.shield(fut)
+                metadata = await asyncio.shield(fut)
             except BaseException as exc:
                 # Cancelled or failed: let the thread finish before removing what it made.
                 await asyncio.wait([fut])
@@ -182,7 +183,7 @@ class ZarrEngine(DiskEngine):
                 raise
             # A close that ran meanwhile removed the groups, this array with them.
             self._check_open()
-            self._stored[key] = (src.numel(), home)
+            self._stored[key] = (src.numel(), home, metadata)
             return
 
     async def read(self, key: int, out: torch.Tensor) -> None:
@@ -193,13 +194,15 @@ class ZarrEngine(DiskEngine):
             CorruptTensorError: a size, a chunk or a checksum does not match.
         """
         self._check_open()
-        size, home = self._stored[key]
+        size, home, metadata = self._stored[key]
         if out.numel() != size:
             raise CorruptTensorError(
                 f"key {key}: {size} bytes were spilled but {out.numel()} were asked for"
             )
         path = self._path(key, home)
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._read, path, out)
+        await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._read, path, out, metadata
+        )
 
     async def delete(self, key: int) -> None:
         """Remove the array of ``key`` (a missing key is ignored)."""
@@ -240,7 +243,8 @@ class ZarrEngine(DiskEngine):
         dtype: torch.dtype | None,
         shape: tuple[int, ...] | None,
         home: int,
-    ) -> None:
+    ) -> Any:
+        """Write the array; returns its metadata (``ArrayV3Metadata``)."""
         import zarr
         from zarr.codecs import Crc32cCodec
         from zarr.core.array_spec import ArrayConfigParams
@@ -282,12 +286,26 @@ class ZarrEngine(DiskEngine):
         if data.size:
             array[...] = data
         _make_private(path)
+        return array.metadata
 
-    def _read(self, path: Path, out: torch.Tensor) -> None:
+    def _read(self, path: Path, out: torch.Tensor, metadata: Any) -> None:
+        """Fill ``out`` from the array at ``path``, written with ``metadata``.
+
+        Note: [The metadata is checked too]
+            The ``crc32c`` codec covers each chunk's bytes, not ``zarr.json``, which says how
+            to decode them: an edited byte order, dtype or chunk shape decoded intact chunks
+            into other values, and ``get`` returned them without an error. The metadata read
+            back must equal what the write made.
+        """
         import zarr
 
         try:
             array = zarr.open_array(str(path), mode="r", zarr_format=3)
+            if array.metadata != metadata:
+                raise CorruptTensorError(
+                    f"spilled array {str(path)!r} is damaged: its zarr.json changed since it "
+                    "was written"
+                )
             if array.size and array.nchunks_initialized != array.nchunks:
                 # zarr fills a missing chunk with the fill value; for us that is lost data.
                 raise CorruptTensorError(
