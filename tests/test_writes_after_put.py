@@ -126,6 +126,22 @@ def test_a_view_written_through_its_base_is_noticed(make_store: MakeStore) -> No
         store.get(h)
 
 
+def test_a_write_beside_a_view_in_its_base_says_what_the_store_cannot_tell(
+    make_store: MakeStore,
+) -> None:
+    """A write to the part of the base the view does not cover moves the counter the view
+    shares; the store, holding the view itself, cannot tell it from a write to the view. The
+    error used to say the store no longer held the bytes that were put, which was false."""
+    store = make_store(device_bytes="unlimited")
+    base = torch.zeros(4, MiB // 4)
+    h = store.put(base[1])
+    base[2, 3] = 2.0
+    with pytest.raises(
+        TensorModifiedError, match=r"a tensor sharing its storage .* cannot vouch for the bytes"
+    ):
+        store.get(h)
+
+
 def test_an_untouched_tensor_and_an_inference_tensor_come_back(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
     with torch.inference_mode():

@@ -192,8 +192,9 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
 
         Raises:
             TensorReleasedError: the handle was released or is another store's.
-            TensorModifiedError: the tensor was written in place or its storage resized after
-                put, so the store no longer holds what was put.
+            TensorModifiedError: the tensor (or one sharing its storage: its base, a view,
+                this result) was written in place or its storage resized after put, so the
+                store cannot vouch for what was put.
             SpillIOError: reading it back failed (the entry stays on disk; retry may work).
             CorruptTensorError: its spilled bytes failed their checksum.
             StoreTimeoutError: waited longer than ``timeout``.

@@ -50,8 +50,9 @@ class SpillIOError(TierStoreError, IOError):
 class TensorModifiedError(TierStoreError, RuntimeError):
     """A tensor was written in place, or its storage resized, after it was put.
 
-    The store held the caller's own tensor and can no longer give back the bytes that were put;
-    the message names the tensor and what changed.
+    The store held the caller's own tensor, and its version counter (shared with its base and
+    every view of its storage) moved or its storage shrank, so the store cannot vouch for the
+    bytes that were put; the message names the tensor and what changed.
     """
 
 

@@ -115,13 +115,19 @@ def change_of(e: Entry, t: torch.Tensor) -> str | None:
     if have < need:
         return f"its storage was resized to {have} bytes (it needs {need}), as resize_(0) does"
     if e.version is not None and version_of(t) != e.version:
-        return f"it was written in place (version {e.version} at put, {version_of(t)} now)"
+        # The counter is shared by every view of the storage: a write to the part of a base
+        # this view does not cover counts too, and the store, holding no copy, cannot tell.
+        return (
+            "it, or a tensor sharing its storage (its base, another view of it, or what get() "
+            f"returned), was written in place (version {e.version} at put, {version_of(t)} now)"
+        )
     return None
 
 
 def changed_error(e: Entry, why: str) -> TensorModifiedError:
     """The error every get of ``e`` raises once its tensor changed after put."""
     return TensorModifiedError(
-        f"{e.describe()} changed after put(): {why}. The store no longer holds the bytes that "
-        "were put. Leave a tensor untouched until its handle is released, or put a clone()"
+        f"{e.describe()} changed after put(): {why}. The store holds that tensor itself, not a "
+        "copy, so it cannot vouch for the bytes that were put. Leave the tensor, its base and "
+        "what get() returns untouched until the handle is released, or put a clone()"
     )
