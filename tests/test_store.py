@@ -539,6 +539,23 @@ def test_prefetch_window_is_respected(make_store: MakeStore) -> None:
     assert store.state_of(hs[9]) is TensorState.DISK
 
 
+def test_an_entry_got_in_this_sweep_is_not_fetched_again(make_store: MakeStore) -> None:
+    """Note: [Got once a sweep]: backward unpacks a little out of order; a get above the last
+    one restarted the walk there, and it fetched entries already got, back on disk, again."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=2 * MiB)
+    hs = [store.put(torch.randn(MiB // 4)) for _ in range(6)]
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs))
+    for i in (5, 3, 4, 2, 1, 0):  # 3 before 4: the cursor moves up, past 3
+        store.get(hs[i])
+        wait_for(lambda: TensorState.FETCHING not in map(store.state_of, hs))
+    stats = store.stats()
+    assert stats.gets == 6 and stats.bytes_from_disk == 6 * MiB, stats
+    # A second sweep (a retain_graph backward) brings them back again.
+    store.get(hs[5])
+    wait_for(lambda: store.state_of(hs[4]) in (TensorState.FETCHED, TensorState.FETCHING))
+    audit(store)
+
+
 # --------------------------------------------------------------------------- save semaphore
 
 

@@ -83,7 +83,9 @@ class Stored:
         "__weakref__",
         "_cache",
         "_cache_version",
+        "_held",
         "_lock",
+        "_unread",
         "before_first_get",
         "handle",
         "store",
@@ -96,9 +98,28 @@ class Stored:
         self._lock = threading.Lock()
         self._cache: weakref.ref[torch.Tensor] | None = None
         self._cache_version: int | None = None
+        self._unread = 0
+        """Records of this storage not unpacked yet (Note: [Read once for every record])."""
+        self._held: torch.Tensor | None = None
 
-    def flat(self) -> torch.Tensor:
-        """The storage's bytes back on their device; fetched once while any view of them lives.
+    def expect_unpack(self) -> None:
+        """One more record refers to this storage and will unpack it."""
+        with self._lock:
+            self._unread += 1
+
+    def flat(self, first_of_record: bool = False) -> torch.Tensor:
+        """The storage's bytes back on their device; fetched once while any view of them lives,
+        or while a record of them has still to unpack its first time.
+
+        Note: [Read once for every record]
+            One storage is often saved by several nodes: the input of separate q, k and v
+            projections (a Llama layer), of gate and up. Each node's unpack comes back on its
+            own, and between them autograd frees the previous node's tensor; cached weakly
+            only, the bytes were read from disk again for each (a small Llama read 22 % more
+            than it wrote). So the bytes are held from the first unpack until every record of
+            them has unpacked once (``first_of_record``), as autograd without hooks holds a
+            saved tensor until its last node runs; a record whose node never runs holds them
+            until the graph, and with it this object, goes.
 
         Raises:
             TensorModifiedError: the bytes were written in place since they were put (the
@@ -111,7 +132,8 @@ class Stored:
                     self.before_first_get()
                     self.before_first_get = None
                 flat = self.store.get(self.handle)
-                # Weak: the views autograd holds keep the bytes alive, and nothing else does.
+                # Weak: the views autograd holds keep the bytes alive, and ``_held`` while a
+                # record has still to unpack; nothing else does.
                 self._cache = weakref.ref(flat)
                 self._cache_version = version_of(flat)
             elif version_of(flat) != self._cache_version:
@@ -125,6 +147,9 @@ class Stored:
                 # An unpack on another stream than the first's waits for the upload too
                 # (Note: [Every stream that takes an upload] in tiers/_device.py).
                 hand_over(flat)
+            if first_of_record:
+                self._unread -= 1
+            self._held = flat if self._unread > 0 else None
             return flat
 
 
@@ -199,6 +224,7 @@ class Saved:
         "source",
         "stored",
         "stride",
+        "unpacked",
         "version",
     )
 
@@ -207,6 +233,8 @@ class Saved:
     ) -> None:
         """Record ``t``; ``plain`` holds its bytes in ``stored`` (see :func:`unwrap`)."""
         self.stored = stored
+        self.unpacked = False
+        stored.expect_unpack()
         self.dtype = plain.dtype
         self.size = plain.size()
         self.stride = plain.stride()
@@ -237,7 +265,8 @@ class Saved:
             if watched is not None:
                 check_version(watched, self.version)
         try:
-            flat = self.stored.flat()
+            flat = self.stored.flat(first_of_record=not self.unpacked)
+            self.unpacked = True
         except TensorModifiedError as err:
             raise TensorModifiedError(
                 "one of the variables needed for gradient computation has been modified by an "

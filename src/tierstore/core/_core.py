@@ -89,6 +89,8 @@ class StoreCore:
         self.counters = Counters()
         self.semaphore = SaveSemaphore(config.max_inflight_bytes)
         self.walk = PrefetchWalk()
+        self.sweep = 0
+        """The backward sweep gets are in now (Note: [Got once a sweep])."""
         self.transfers = Transfers(self)
         self.handoff = HandOff(
             loop,
@@ -278,6 +280,9 @@ class StoreCore:
             self._check_open()
             self.drain_dropped()
             e = self.handles.lookup(self.table.entries, handle)
+            if e.got_in == self.sweep:
+                self.sweep += 1  # asked for again: a new sweep (a retain_graph backward)
+            e.got_in = self.sweep
             self.walk.cursor = e.key
             result = read_now(self, e)
             self.plan_prefetch()
@@ -360,7 +365,18 @@ class StoreCore:
             self.start_fetch(entries[key])
 
     def _fetch_size(self, key: int) -> int | None:
+        """Note: [Got once a sweep]
+        Backward does not unpack in exactly the reverse order of saving: a get for an
+        entry newer than the last one moves the cursor up, and the walk restarts there.
+        It passed entries backward had already read, back on disk after their gets, and
+        fetched them again for nothing (a small Llama read 10 % more than it wrote, each
+        such copy holding window room until its release). An entry already got in this
+        sweep is not fetched ahead; a second get of one begins a new sweep, as the next
+        backward of a ``retain_graph`` graph does.
+        """
         e = self.table.entries[key]
+        if e.got_in == self.sweep:
+            return None
         if e.needs_fetch():
             return e.nbytes
         return PENDING if e.moving_down() else None

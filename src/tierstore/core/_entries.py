@@ -47,6 +47,7 @@ class Entry:
         "error",
         "fetch_future",
         "fetched",
+        "got_in",
         "handle_ref",
         "host",
         "kept",
@@ -89,6 +90,8 @@ class Entry:
         """What a get waiting for the fetch in flight waits on; made by the first such get."""
         self.prefetched = False
         """The fetch in flight was begun by prefetch, not by a get."""
+        self.got_in = -1
+        """The backward sweep whose get last asked for it (Note: [Got once a sweep])."""
         self.ready: Any = None
         """On an accelerator, the event put recorded on the caller's stream."""
         self.stream: Any = None
