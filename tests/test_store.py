@@ -556,6 +556,37 @@ def test_an_entry_got_in_this_sweep_is_not_fetched_again(make_store: MakeStore) 
     audit(store)
 
 
+def test_a_second_sweep_through_entries_already_got_prefetches_them_again(
+    make_store: MakeStore,
+) -> None:
+    """Note: [Got once a sweep]: a retained trunk read back once, then a head saved after it
+    and a backward through both (a second loss on a ``retain_graph`` graph). The walk had
+    passed the trunk as got; resumed below it when the sweep changed, it fetched none of it
+    and every trunk get read for itself (11 misses of 15)."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=4 * MiB)
+
+    def put(n: int) -> list[tierstore.TensorHandle]:
+        hs = [store.put(torch.randn(MiB // 4)) for _ in range(n)]
+        wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs))
+        return hs
+
+    def sweep(hs: list[tierstore.TensorHandle]) -> None:
+        for h in reversed(hs):
+            store.get(h)
+            wait_for(lambda: TensorState.FETCHING not in map(store.state_of, hs))
+
+    trunk = put(10)
+    sweep(trunk)
+    head = put(5)
+    before = store.stats()
+    sweep(trunk + head)
+    after = store.stats()
+    # The head's first get, and the trunk's first (the walk from the head passed it as got).
+    assert after.prefetch_misses - before.prefetch_misses == 2
+    assert after.bytes_from_disk - before.bytes_from_disk == 15 * MiB
+    audit(store)
+
+
 # --------------------------------------------------------------------------- save semaphore
 
 

@@ -380,6 +380,28 @@ def test_a_checkpoint_of_an_enclosing_module_runs_directly_in_the_recompute_too(
     assert_equal_tensors(expected, [*grads(a), x.grad])  # type: ignore[list-item]
 
 
+def test_a_recompute_marks_the_enclosing_functions_themselves_not_their_ids(
+    store_factory: StoreFactory,
+) -> None:
+    """The enclosing checkpoint's function here is a temporary lambda, freed before the inner
+    frame recomputes; marking its ``id`` there made the fresh lambda the recompute creates at
+    that address run directly, so the recompute saved other tensors of the same shapes and
+    the gradient was wrong (max error 15) without an error."""
+    store = store_factory("host")
+
+    def ck(fn: Any, t: torch.Tensor) -> torch.Tensor:
+        return tierstore.checkpoint(fn, t, store=store)
+
+    def inner(t: torch.Tensor) -> torch.Tensor:
+        return ck(lambda u: u.cos() * 2, t).sin()  # a fresh lambda at every call
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, requires_grad=True)
+    (expected,) = torch.autograd.grad((x.cos() * 2).sin().exp().pow(2).sum(), x)
+    ck(lambda t: ck(inner, t).exp(), x).pow(2).sum().backward()
+    assert_equal_tensors([expected], [x.grad])  # type: ignore[list-item]
+
+
 def test_eval_and_no_grad_store_nothing(store_factory: StoreFactory) -> None:
     store = store_factory("disk")
     layer = Counting()

@@ -11,6 +11,7 @@ import gc
 import logging
 import statistics
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -167,6 +168,40 @@ def test_a_storage_saved_by_several_nodes_is_read_once(store_factory: StoreFacto
     stats = stats_once_released(store)
     assert stats.bytes_to_disk == stats.bytes_put > 0
     assert stats.gets == stats.puts and stats.bytes_from_disk == stats.bytes_to_disk, stats
+
+
+def test_one_record_unpacked_by_two_threads_at_once_counts_once(
+    store_factory: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [Read once for every record]: a record whose first unpack runs in two threads at
+    once (concurrent backwards of a retained graph) counts as one unpack, so the bytes stay
+    held for the storage's other record. Tested outside the lock, both threads counted it,
+    and the other record read the bytes from disk again."""
+    from tierstore.adapters._storage import StorageTable
+
+    store = store_factory("disk", prefetch_bytes=0)
+    t = torch.randn(1 << 19)  # 2 MiB
+    table = StorageTable()
+    first, second = table.offload(store, t, 0), table.offload(store, t.view(-1, 2), 0)
+    del t
+    wait_for(lambda: settled(store))
+    real_get = store.get
+
+    def slow_get(handle: tierstore.TensorHandle) -> torch.Tensor:
+        time.sleep(0.2)  # both threads are inside the first unpack before either ends
+        return real_get(handle)
+
+    monkeypatch.setattr(store, "get", slow_get)
+    got: list[torch.Tensor] = []
+    threads = [threading.Thread(target=lambda: got.append(first.tensor())) for _ in range(2)]  # type: ignore[union-attr]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    read = store.stats().bytes_from_disk
+    got.clear()
+    second.tensor()  # type: ignore[union-attr]
+    assert read == 2 << 20 and store.stats().bytes_from_disk == read
 
 
 def test_a_views_base_storage_is_freed(store_factory: StoreFactory) -> None:

@@ -203,7 +203,9 @@ async def test_an_edited_zarr_json_is_detected(
     engine: ZarrEngine, edit: Callable[[dict[str, Any], str], None]
 ) -> None:
     """Note: [The metadata is checked too]: the checksums cover the chunks, not how to decode
-    them; an edited byte order or dtype read intact chunks back as other values, no error."""
+    them. An edited byte order read intact chunks back as other values, no error; an edited
+    dtype happens to give back the same bytes here, but any zarr reader sees another array,
+    so it is refused too."""
     t = torch.randn(3 * CHUNK // 4)
     raw = t.view(torch.uint8)
     await engine.write(1, raw, dtype=torch.float32, shape=tuple(t.shape))

@@ -51,7 +51,7 @@ from tierstore.adapters._reentry import (
     marked,
     owner_of,
     run_directly,
-    running_keys,
+    running_owners,
     unwrap,
 )
 from tierstore.adapters._storage import Kept, Saved, StorageTable
@@ -233,7 +233,7 @@ def _frames(
     function: Callable[..., Any],
     leaves: list[Any],
     spec: pytree.TreeSpec,
-    key: int,
+    owner: object,
     store: TieredStore,
     preserve_rng_state: bool,
     context_fn: Callable[[], tuple[Any, Any]],
@@ -279,7 +279,7 @@ def _frames(
         devices, device_states = tc.get_device_states(*tensors)
     # Note: [Checkpoint without recursion]: the recompute runs as the forward did, inside
     # every checkpoint that encloses this one.
-    enclosing = running_keys()
+    enclosing = running_owners()
 
     def recompute(*inputs: Any) -> None:
         with torch.random.fork_rng(
@@ -301,7 +301,7 @@ def _frames(
                 torch.amp.autocast("cpu", **cpu_autocast),
                 recompute_context,
                 device_ctx,
-                marked(key, *enclosing),
+                marked(owner, *enclosing),
             ):
                 function(*args, **kwargs)
 
@@ -412,20 +412,20 @@ def checkpoint(
         module = cast("torch.nn.Module", function)
         function = functools.partial(type(module).forward, module)
     inner, bound_args, bound_kwargs = unwrap(function)
-    key = id(owner_of(inner, bound_args))
-    if is_running(key):
+    owner = owner_of(inner, bound_args)
+    if is_running(owner):
         return run_directly(function, args, kwargs)  # type: ignore[no-any-return]
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     resolved = resolve_store(store)
     leaves, spec = pytree.tree_flatten((bound_args + args, {**bound_kwargs, **kwargs}))
     frames = _frames(
-        inner, leaves, spec, key, resolved, preserve_rng_state, context_fn,
+        inner, leaves, spec, owner, resolved, preserve_rng_state, context_fn,
         determinism_check, debug, early_stop,
     )  # fmt: skip
     next(frames)
     try:
-        with marked(key):
+        with marked(owner):
             out = inner(*(bound_args + args), **{**bound_kwargs, **kwargs})
     except BaseException as err:
         # The error goes through the frame's contexts, as torch's checkpoint sends it: left

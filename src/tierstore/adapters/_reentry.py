@@ -13,7 +13,9 @@ Note: [Checkpoint without recursion]
     when its forward ran, the enclosing checkpoints' modules too: marking only its own, a
     nested checkpoint of an enclosing module ran directly in the forward but became a
     checkpoint of its own in the recompute, which then saved other tensors than the forward
-    (``CheckpointError``).
+    (``CheckpointError``). Marks hold the objects, not only their ``id``: a recompute marking
+    the ``id`` of an enclosing lambda already freed made a new lambda at that address run
+    directly, and the recompute saved other tensors of the same shapes (wrong gradients).
 
 Note: [A wrapped forward runs the module's hooks once]
     ``layer.forward = partial(checkpoint, layer, ...)``: ``layer(x)`` runs the module's
@@ -51,7 +53,7 @@ __all__ = [
     "marked",
     "owner_of",
     "run_directly",
-    "running_keys",
+    "running_owners",
     "unwrap",
 ]
 
@@ -73,36 +75,38 @@ def _module_calls() -> frozenset[types.CodeType]:
 _MODULE_CALLS = _module_calls()
 
 
-def is_running(key: int) -> bool:
-    """Whether the module (or function) with this ``id`` runs under a checkpoint on this thread."""
-    return key in _running()
+def is_running(owner: object) -> bool:
+    """Whether this module (or function) runs under a checkpoint on this thread."""
+    return id(owner) in _running()
 
 
-def _running() -> dict[int, int]:
-    running: dict[int, int] | None = getattr(_local, "running", None)
+def _running() -> dict[int, list[Any]]:
+    """``id(owner) -> [owner, marks]``: the owner is held, so its ``id`` names it alone."""
+    running: dict[int, list[Any]] | None = getattr(_local, "running", None)
     if running is None:
         running = _local.running = {}
     return running
 
 
-def running_keys() -> tuple[int, ...]:
-    """The keys marked running on this thread now (for a recompute to mark them again)."""
-    return tuple(_running())
+def running_owners() -> tuple[object, ...]:
+    """What runs under a checkpoint on this thread now (for a recompute to mark again)."""
+    return tuple(owner for owner, _ in _running().values())
 
 
 @contextlib.contextmanager
-def marked(*keys: int) -> Iterator[None]:
-    """Mark ``keys`` running on this thread within the block."""
+def marked(*owners: object) -> Iterator[None]:
+    """Mark ``owners`` running on this thread within the block."""
     running = _running()
-    for key in keys:
-        running[key] = running.get(key, 0) + 1
+    for owner in owners:
+        running.setdefault(id(owner), [owner, 0])[1] += 1
     try:
         yield
     finally:
-        for key in keys:
-            running[key] -= 1
-            if not running[key]:
-                del running[key]
+        for owner in owners:
+            mark = running[id(owner)]
+            mark[1] -= 1
+            if not mark[1]:
+                del running[id(owner)]
 
 
 def unwrap(

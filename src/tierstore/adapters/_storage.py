@@ -107,7 +107,7 @@ class Stored:
         with self._lock:
             self._unread += 1
 
-    def flat(self, first_of_record: bool = False) -> torch.Tensor:
+    def flat(self, record: Saved | None = None) -> torch.Tensor:
         """The storage's bytes back on their device; fetched once while any view of them lives,
         or while a record of them has still to unpack its first time.
 
@@ -117,7 +117,7 @@ class Stored:
             own, and between them autograd frees the previous node's tensor; cached weakly
             only, the bytes were read from disk again for each (a small Llama read 22 % more
             than it wrote). So the bytes are held from the first unpack until every record of
-            them has unpacked once (``first_of_record``), as autograd without hooks holds a
+            them has unpacked once (``record``'s first unpack), as autograd without hooks holds a
             saved tensor until its last node runs; a record whose node never runs holds them
             until the graph, and with it this object, goes.
 
@@ -147,7 +147,9 @@ class Stored:
                 # An unpack on another stream than the first's waits for the upload too
                 # (Note: [Every stream that takes an upload] in tiers/_device.py).
                 hand_over(flat)
-            if first_of_record:
+            if record is not None and not record.unpacked:
+                # Under the lock: two threads unpacking one record count it once.
+                record.unpacked = True
                 self._unread -= 1
             self._held = flat if self._unread > 0 else None
             return flat
@@ -265,8 +267,7 @@ class Saved:
             if watched is not None:
                 check_version(watched, self.version)
         try:
-            flat = self.stored.flat(first_of_record=not self.unpacked)
-            self.unpacked = True
+            flat = self.stored.flat(self)
         except TensorModifiedError as err:
             raise TensorModifiedError(
                 "one of the variables needed for gradient computation has been modified by an "

@@ -281,7 +281,9 @@ class StoreCore:
             self.drain_dropped()
             e = self.handles.lookup(self.table.entries, handle)
             if e.got_in == self.sweep:
-                self.sweep += 1  # asked for again: a new sweep (a retain_graph backward)
+                # Asked for again: a new sweep (a retain_graph backward), which walks afresh.
+                self.sweep += 1
+                self.walk.restart()
             e.got_in = self.sweep
             self.walk.cursor = e.key
             result = read_now(self, e)
@@ -372,7 +374,8 @@ class StoreCore:
         fetched them again for nothing (a small Llama read 10 % more than it wrote, each
         such copy holding window room until its release). An entry already got in this
         sweep is not fetched ahead; a second get of one begins a new sweep, as the next
-        backward of a ``retain_graph`` graph does.
+        backward of a ``retain_graph`` graph does, and the walk starts afresh from it
+        (resumed, it would stay below the entries it had passed over as got).
         """
         e = self.table.entries[key]
         if e.got_in == self.sweep:

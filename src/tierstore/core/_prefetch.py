@@ -70,6 +70,12 @@ class PrefetchWalk:
         self.steps = 0
         """Entries looked at by every walk so far (a backward sweep stays linear)."""
 
+    def restart(self) -> None:
+        """Walk from the cursor at the next plan, as for a cursor that moved up: a new sweep
+        (Note: [Got once a sweep]) may fetch entries the last walks passed over."""
+        self._walked_from = self._resume_at = None
+        self._pending = []
+
     @property
     def exhausted(self) -> bool:
         """Whether the last walk reached the oldest entry and left none on its way down:
