@@ -587,6 +587,23 @@ def test_a_second_sweep_through_entries_already_got_prefetches_them_again(
     audit(store)
 
 
+def test_a_sweep_with_repeated_gets_keeps_the_walk_linear(make_store: MakeStore) -> None:
+    """Note: [Got once a sweep]: in a ``retain_graph`` backward a storage saved by several
+    nodes is got once per node, and each such get begins a sweep. Restarting the walk at
+    each rescanned the window: 1.4 million entries looked at for 8000 gets."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=8 * MiB)
+    hs = [store.put(torch.randn(1024)) for _ in range(4000)]  # 4 KiB each
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs), timeout=60)
+    for h in reversed(hs):
+        store.get(h)
+    before = internals(store).prefetch_walk_steps
+    for i, h in enumerate(reversed(hs)):
+        store.get(h)
+        if i % 10 == 5:
+            store.get(h)  # its second node
+    assert internals(store).prefetch_walk_steps - before <= 2 * len(hs)
+
+
 # --------------------------------------------------------------------------- save semaphore
 
 

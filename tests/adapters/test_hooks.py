@@ -204,6 +204,28 @@ def test_one_record_unpacked_by_two_threads_at_once_counts_once(
     assert read == 2 << 20 and store.stats().bytes_from_disk == read
 
 
+def test_a_record_that_dies_unread_holds_nothing(store_factory: StoreFactory) -> None:
+    """Note: [Read once for every record]: ``h`` saved by two nodes, one branch dropped before
+    backward. The dropped record never unpacks; counted only at unpacks, it left the bytes
+    held for as long as the retained graph lived."""
+    from tierstore.adapters._storage import Stored
+
+    store = store_factory("disk", prefetch_bytes=0)
+    w = torch.randn(512, 512)
+    a = torch.randn(512, 512, requires_grad=True)
+    with tierstore.offload_activations(store):
+        h = a.exp()
+        keep = (h @ w).sum()
+        drop = (h @ w.t()).sum()  # saves h too, never run back
+        del h
+    del drop
+    wait_for(lambda: settled(store))
+    keep.backward(retain_graph=True)
+    gc.collect()
+    assert store.stats().bytes_from_disk > 0
+    assert not [o for o in gc.get_objects() if type(o) is Stored and o._held is not None]
+
+
 def test_a_views_base_storage_is_freed(store_factory: StoreFactory) -> None:
     store = store_factory("disk")
     w = torch.randn(16, requires_grad=True)

@@ -50,8 +50,9 @@ from tierstore.adapters._reentry import (
     is_running,
     marked,
     owner_of,
+    remember_running,
     run_directly,
-    running_owners,
+    still_running,
     unwrap,
 )
 from tierstore.adapters._storage import Kept, Saved, StorageTable
@@ -104,7 +105,9 @@ class _Input:
     def get(self) -> torch.Tensor:
         alive = self.saved.source()
         if alive is not None and alive._version == self.saved.version:
-            return alive  # the object itself, its memory in use anyway; nothing to fetch
+            # The object itself, its memory in use anyway; nothing to fetch.
+            self.saved.stored.count_unpacked(self.saved)
+            return alive
         t = self.saved.tensor()  # raises if the input was written in place, as autograd does
         return t.detach().requires_grad_() if self.requires_grad else t
 
@@ -279,7 +282,7 @@ def _frames(
         devices, device_states = tc.get_device_states(*tensors)
     # Note: [Checkpoint without recursion]: the recompute runs as the forward did, inside
     # every checkpoint that encloses this one.
-    enclosing = running_owners()
+    enclosing = remember_running()
 
     def recompute(*inputs: Any) -> None:
         with torch.random.fork_rng(
@@ -301,7 +304,7 @@ def _frames(
                 torch.amp.autocast("cpu", **cpu_autocast),
                 recompute_context,
                 device_ctx,
-                marked(owner, *enclosing),
+                marked(owner, *still_running(enclosing)),
             ):
                 function(*args, **kwargs)
 

@@ -15,7 +15,10 @@ Note: [Checkpoint without recursion]
     checkpoint of its own in the recompute, which then saved other tensors than the forward
     (``CheckpointError``). Marks hold the objects, not only their ``id``: a recompute marking
     the ``id`` of an enclosing lambda already freed made a new lambda at that address run
-    directly, and the recompute saved other tensors of the same shapes (wrong gradients).
+    directly, and the recompute saved other tensors of the same shapes (wrong gradients). A
+    frame remembers its enclosing owners weakly, though: held, an owner that keeps the inner
+    checkpoint's output (``self.last_hidden = h``) closed a cycle through autograd's C++
+    objects that no collection frees. An owner gone by the recompute cannot be running.
 
 Note: [A wrapped forward runs the module's hooks once]
     ``layer.forward = partial(checkpoint, layer, ...)``: ``layer(x)`` runs the module's
@@ -40,6 +43,7 @@ import inspect
 import sys
 import threading
 import types
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,8 +56,9 @@ __all__ = [
     "is_running",
     "marked",
     "owner_of",
+    "remember_running",
     "run_directly",
-    "running_owners",
+    "still_running",
     "unwrap",
 ]
 
@@ -88,9 +93,25 @@ def _running() -> dict[int, list[Any]]:
     return running
 
 
-def running_owners() -> tuple[object, ...]:
-    """What runs under a checkpoint on this thread now (for a recompute to mark again)."""
-    return tuple(owner for owner, _ in _running().values())
+def remember_running() -> tuple[Callable[[], object], ...]:
+    """What runs under a checkpoint on this thread now, for a recompute to mark again:
+    weakly where the object allows it (Note: [Checkpoint without recursion])."""
+    remembered: list[Callable[[], object]] = []
+    for owner, _ in _running().values():
+        try:
+            remembered.append(weakref.ref(owner))
+        except TypeError:  # a builtin or a class without weak references: it holds no graph
+            remembered.append(functools.partial(_itself, owner))
+    return tuple(remembered)
+
+
+def still_running(remembered: tuple[Callable[[], object], ...]) -> list[object]:
+    """The remembered owners that are still alive."""
+    return [owner for owner in (recall() for recall in remembered) if owner is not None]
+
+
+def _itself(owner: object) -> object:
+    return owner
 
 
 @contextlib.contextmanager

@@ -107,6 +107,31 @@ class Stored:
         with self._lock:
             self._unread += 1
 
+    def count_unpacked(self, record: Saved) -> None:
+        """``record`` will not read the bytes in its first unpack: a checkpoint input got as
+        the live object itself."""
+        with self._lock:
+            self._counted(record)
+
+    def record_gone(self) -> None:
+        """A record died before its first unpack (its node never ran, or its graph went).
+
+        Called from ``Saved.__del__``, which the collector may run in any thread, one that
+        holds this lock among them, or one that a getter holding it waits on: so no lock.
+        A lost update either keeps the bytes until the last record goes, or lets the next
+        unpack read them again; neither changes a value.
+        """
+        self._unread -= 1
+        if self._unread <= 0:
+            self._held = None
+
+    def _counted(self, record: Saved) -> None:
+        if not record.unpacked:
+            record.unpacked = True
+            self._unread -= 1
+        if self._unread <= 0:
+            self._held = None
+
     def flat(self, record: Saved | None = None) -> torch.Tensor:
         """The storage's bytes back on their device; fetched once while any view of them lives,
         or while a record of them has still to unpack its first time.
@@ -117,9 +142,9 @@ class Stored:
             own, and between them autograd frees the previous node's tensor; cached weakly
             only, the bytes were read from disk again for each (a small Llama read 22 % more
             than it wrote). So the bytes are held from the first unpack until every record of
-            them has unpacked once (``record``'s first unpack), as autograd without hooks holds a
-            saved tensor until its last node runs; a record whose node never runs holds them
-            until the graph, and with it this object, goes.
+            them has unpacked once (``record``'s first unpack) or died, as autograd without
+            hooks holds a saved tensor until its last node runs. A checkpoint input got as
+            its live object counts as unpacked.
 
         Raises:
             TensorModifiedError: the bytes were written in place since they were put (the
@@ -147,10 +172,8 @@ class Stored:
                 # An unpack on another stream than the first's waits for the upload too
                 # (Note: [Every stream that takes an upload] in tiers/_device.py).
                 hand_over(flat)
-            if record is not None and not record.unpacked:
-                # Under the lock: two threads unpacking one record count it once.
-                record.unpacked = True
-                self._unread -= 1
+            if record is not None:
+                self._counted(record)  # under the lock: two threads count one record once
             self._held = flat if self._unread > 0 else None
             return flat
 
@@ -251,6 +274,11 @@ class Saved:
         self.base = None if t._base is None else weakref.ref(t._base)
         # Note: [A DTensor stores its shard]
         self.dtensor_spec = dtensor_spec
+
+    def __del__(self) -> None:
+        # Note: [Read once for every record]: a record gone unread holds nothing.
+        if not getattr(self, "unpacked", True):  # True: an __init__ that never finished
+            self.stored.record_gone()
 
     def tensor(self) -> torch.Tensor:
         """The saved tensor again: same device, dtype, shape, strides and bytes.

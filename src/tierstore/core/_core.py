@@ -91,6 +91,8 @@ class StoreCore:
         self.walk = PrefetchWalk()
         self.sweep = 0
         """The backward sweep gets are in now (Note: [Got once a sweep])."""
+        self._lowest_passed_got: int | None = None
+        """The lowest key a walk passed over as got in this sweep (Note: [Got once a sweep])."""
         self.transfers = Transfers(self)
         self.handoff = HandOff(
             loop,
@@ -281,9 +283,13 @@ class StoreCore:
             self.drain_dropped()
             e = self.handles.lookup(self.table.entries, handle)
             if e.got_in == self.sweep:
-                # Asked for again: a new sweep (a retain_graph backward), which walks afresh.
+                # Asked for again: a new sweep (a retain_graph backward). The walk starts
+                # afresh if it passed over entries as got below this one, which the new
+                # sweep will need.
                 self.sweep += 1
-                self.walk.restart()
+                lowest, self._lowest_passed_got = self._lowest_passed_got, None
+                if lowest is not None and lowest < e.key:
+                    self.walk.restart()
             e.got_in = self.sweep
             self.walk.cursor = e.key
             result = read_now(self, e)
@@ -374,11 +380,15 @@ class StoreCore:
         fetched them again for nothing (a small Llama read 10 % more than it wrote, each
         such copy holding window room until its release). An entry already got in this
         sweep is not fetched ahead; a second get of one begins a new sweep, as the next
-        backward of a ``retain_graph`` graph does, and the walk starts afresh from it
-        (resumed, it would stay below the entries it had passed over as got).
+        backward of a ``retain_graph`` graph does, and the walk starts afresh from it if it
+        passed over entries as got below it (resumed, it would stay below them). Only then: a
+        storage saved by several nodes is got once per node in a ``retain_graph`` backward,
+        and a restart at each of those gets rescanned the window (not linear).
         """
         e = self.table.entries[key]
         if e.got_in == self.sweep:
+            if self._lowest_passed_got is None or key < self._lowest_passed_got:
+                self._lowest_passed_got = key
             return None
         if e.needs_fetch():
             return e.nbytes
