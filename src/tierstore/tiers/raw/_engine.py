@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tierstore.errors import ConfigError, CorruptTensorError
 from tierstore.tiers._checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
 from tierstore.tiers._engine import DiskEngine, WriteRequest, check_bytes, is_bytes
-from tierstore.tiers.raw._chunk_io import ChunkIO
+from tierstore.tiers.raw._chunk_io import ChunkIO, on_thread
 from tierstore.tiers.raw._layout import LEAD_ALIGN, Blob, PackedBlob
 from tierstore.tiers.raw._packs import PackItem, Packs, ReadItem, Waiter, all_done
 from tierstore.tiers.raw._probe import DirectIOProbe, probe_direct_io
@@ -350,13 +350,12 @@ class RawEngine(DiskEngine):
     async def _run(self, fn: _ChunkFn, blob: Blob, t: torch.Tensor) -> None:
         """Run ``fn`` for every chunk of ``blob`` on the I/O threads; ``t`` is the memory the
         chunks move from or to."""
-        loop = asyncio.get_running_loop()
         address = t.data_ptr()
         # numpy shares the tensor's memory; an empty tensor gives an empty view.
         view = t.numpy().data.cast("B")
+        # Note: [A finished transfer holds no memory]
         futures = [
-            loop.run_in_executor(self._pool, fn, blob, i, view, address, t)
-            for i in range(len(blob.chunks))
+            on_thread(self._pool, fn, blob, i, view, address, t) for i in range(len(blob.chunks))
         ]
         if not futures:
             return

@@ -20,6 +20,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tierstore.tiers.raw._chunk_io import on_thread
 from tierstore.tiers.raw._layout import PackedBlob
 from tierstore.tiers.raw._syscalls import pad
 
@@ -172,9 +173,8 @@ class Packs:
                 n = it.src.numel()
                 blobs.append(PackedBlob(f, offset, n))
                 offset += pad(n)
-            loop = asyncio.get_running_loop()
             sources = [(it.src, it.address) for it in items]
-            changed = await loop.run_in_executor(self._pool, self._io.write_pack, sources, blobs)
+            changed = await on_thread(self._pool, self._io.write_pack, sources, blobs)
         except BaseException as exc:
             for b in blobs:
                 b.free()
@@ -243,12 +243,12 @@ class Packs:
             self._track(self._read_group([items[i] for i in g]))
 
     async def _read_group(self, items: list[ReadItem]) -> None:
-        loop = asyncio.get_running_loop()
         errors: list[BaseException | None]
         blobs = [it.blob for it in items]
         outs = [it.out for it in items]
         try:
-            errors = list(await loop.run_in_executor(self._pool, self._io.read_span, blobs, outs))
+            # Note: [A finished transfer holds no memory]
+            errors = list(await on_thread(self._pool, self._io.read_span, blobs, outs))
         except BaseException as exc:
             errors = [exc] * len(items)
         else:
