@@ -353,13 +353,14 @@ def test_without_prefetching_a_finished_sweep_still_hands_its_buffers_back(
     assert pool.mapped_bytes <= 2 * MiB + 4096, pool.mapped_bytes
 
 
+@pytest.mark.parametrize("disk_format", ["raw", "zarr"])
 def test_the_last_reads_buffer_goes_though_its_task_held_it_past_the_sweeps_end(
-    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, disk_format: str
 ) -> None:
     """Note: [The last read's buffer]: the loop thread that read the oldest tensor is made to
     hold it after answering the get, until the getter has dropped it and released its entry
     (the sweep's end); the buffer is unmapped all the same, not kept until the next sweep."""
-    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0, disk_format=disk_format)
     pool = internals(store).read_pool
     tensors = [_random((3 * MiB // 4,), torch.float32, seed=30 + i) for i in range(2)]
     handles = [store.put(t) for t in tensors]

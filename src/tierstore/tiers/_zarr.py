@@ -32,6 +32,7 @@ import numpy as np
 
 from tierstore.errors import CorruptTensorError
 from tierstore.tiers._engine import DISK_FULL, DiskEngine, free_space
+from tierstore.tiers._on_thread import on_thread
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -169,7 +170,8 @@ class ZarrEngine(DiskEngine):
         loop = asyncio.get_running_loop()
         homes = self._homes_to_try(key, src.numel())
         for n, home in enumerate(homes):
-            fut = loop.run_in_executor(self._pool, self._write, key, src, dtype, shape, home)
+            # Note: [A finished transfer holds no memory]
+            fut = on_thread(self._pool, self._write, key, src, dtype, shape, home)
             try:
                 metadata = await asyncio.shield(fut)
             except BaseException as exc:
@@ -200,9 +202,7 @@ class ZarrEngine(DiskEngine):
                 f"key {key}: {size} bytes were spilled but {out.numel()} were asked for"
             )
         path = self._path(key, home)
-        await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._read, path, out, metadata
-        )
+        await on_thread(self._pool, self._read, path, out, metadata)
 
     async def delete(self, key: int) -> None:
         """Remove the array of ``key`` (a missing key is ignored)."""

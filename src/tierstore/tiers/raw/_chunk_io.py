@@ -17,10 +17,9 @@ Note: [Bounce buffers]
 
 from __future__ import annotations
 
-import asyncio
 import os
 import queue
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 from tierstore.errors import CorruptTensorError, TensorModifiedError
 from tierstore.tiers._checksum import crc32c
@@ -36,8 +35,7 @@ from tierstore.tiers.raw._syscalls import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
-    from concurrent.futures import Executor
+    from collections.abc import Sequence
     from pathlib import Path
 
     import torch
@@ -309,37 +307,3 @@ def _mismatch(
         f"spill file {str(path)!r}: chunk {i} ({length} bytes at offset "
         f"{offset}) has CRC32C {got:#010x}, {written:#010x} was written"
     )
-
-
-T = TypeVar("T")
-
-
-def on_thread(pool: Executor, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """Run ``fn(*args)`` on one of ``pool``'s threads; nothing of ``args`` is held once the
-    returned future is done.
-
-    Note: [A finished transfer holds no memory]
-        An executor's work item keeps its function's arguments until its thread deletes it,
-        after the future is done: the loop could answer a get and end the backward sweep while
-        an I/O thread still held the tensor it had read into, so its read-pool buffer looked
-        busy when the sweep's end asked the pool to hand free buffers back, and stayed mapped
-        until the next sweep (one run in 30 of a test of exactly that). Here the arguments are
-        dropped when ``fn`` returns, before the future is done.
-    """
-    return asyncio.get_running_loop().run_in_executor(pool, _Call(fn, args))
-
-
-class _Call:
-    """``fn(*args)`` once, holding neither after it returns."""
-
-    __slots__ = ("args", "fn")
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        self.fn: Callable[..., Any] | None = fn
-        self.args: tuple[Any, ...] = args
-
-    def __call__(self) -> Any:
-        fn, args = self.fn, self.args
-        self.fn, self.args = None, ()
-        assert fn is not None, "called twice"
-        return fn(*args)

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from tierstore.errors import ConfigError, CorruptTensorError
 from tierstore.tiers._checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
 from tierstore.tiers._engine import DiskEngine, WriteRequest, check_bytes, is_bytes
-from tierstore.tiers.raw._chunk_io import ChunkIO, on_thread
+from tierstore.tiers._on_thread import on_thread
+from tierstore.tiers.raw._chunk_io import ChunkIO
 from tierstore.tiers.raw._layout import LEAD_ALIGN, Blob, PackedBlob
 from tierstore.tiers.raw._packs import PackItem, Packs, ReadItem, Waiter, all_done
 from tierstore.tiers.raw._probe import DirectIOProbe, probe_direct_io

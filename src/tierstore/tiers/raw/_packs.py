@@ -20,7 +20,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tierstore.tiers.raw._chunk_io import on_thread
+from tierstore.tiers._on_thread import on_thread
 from tierstore.tiers.raw._layout import PackedBlob
 from tierstore.tiers.raw._syscalls import pad
 

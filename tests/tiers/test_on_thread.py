@@ -11,7 +11,7 @@ from concurrent.futures import thread as cf_thread
 import pytest
 import torch
 
-from tierstore.tiers.raw._chunk_io import on_thread
+from tierstore.tiers._on_thread import on_thread
 
 
 @pytest.fixture
