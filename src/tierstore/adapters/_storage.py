@@ -112,6 +112,8 @@ class Stored:
         the live object itself."""
         with self._lock:
             self._counted(record)
+            if self._unread <= 0:
+                self._held = None
 
     def record_gone(self) -> None:
         """A record died before its first unpack (its node never ran, or its graph went).
@@ -126,11 +128,10 @@ class Stored:
             self._held = None
 
     def _counted(self, record: Saved) -> None:
+        """Count ``record``'s first unpack (the lock held)."""
         if not record.unpacked:
             record.unpacked = True
             self._unread -= 1
-        if self._unread <= 0:
-            self._held = None
 
     def flat(self, record: Saved | None = None) -> torch.Tensor:
         """The storage's bytes back on their device; fetched once while any view of them lives,

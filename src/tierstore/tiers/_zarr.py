@@ -293,9 +293,9 @@ class ZarrEngine(DiskEngine):
 
         Note: [The metadata is checked too]
             The ``crc32c`` codec covers each chunk's bytes, not ``zarr.json``, which says how
-            to decode them: an edited byte order, dtype or chunk shape decoded intact chunks
-            into other values, and ``get`` returned them without an error. The metadata read
-            back must equal what the write made.
+            to decode them: an edited byte order decoded intact chunks into other values, and
+            ``get`` returned them without an error. The metadata read back must equal what the
+            write made, whatever was edited.
         """
         import zarr
 
