@@ -78,6 +78,13 @@ def random_bytes_at(n: int, lead: int, seed: int = 0) -> torch.Tensor:
     return out
 
 
+def _filled_at(n: int, lead: int) -> torch.Tensor:
+    """``n`` bytes of 0xA5 starting ``lead`` bytes past a page (0: page-aligned)."""
+    buf = torch.full((n + 2 * 4096,), 0xA5, dtype=torch.uint8)
+    at = (lead - buf.data_ptr()) % 4096
+    return buf[at : at + n]
+
+
 def make_dirs(tmp_path: Path, n: int) -> tuple[Path, ...]:
     dirs = []
     for i in range(n):
@@ -149,6 +156,24 @@ class EngineTests(abc.ABC):
         out = torch.zeros(src.numel() + 1, dtype=torch.uint8)[1:]
         await engine.read(1, out)
         assert torch.equal(out, src)
+
+    @pytest.mark.parametrize("size", [4096 + 100, CHUNK, 3 * CHUNK + 5, MiB + 3])
+    @pytest.mark.parametrize("leads", [(0, 1), (1, 0), (0, 0), (1, 1)])
+    async def test_one_key_read_twice_at_once_fills_both(
+        self, engine: DiskEngine, size: int, leads: tuple[int, int]
+    ) -> None:
+        """Two reads of one key in one turn of the loop, into page-aligned and unaligned
+        buffers: read together with their neighbours, the second got bytes the first left in
+        a bounce buffer, and a checksum error on an intact file."""
+        src = random_bytes(size, seed=size)
+        await engine.write(3, random_bytes(size, seed=1))  # a neighbour before it on disk
+        await engine.write(4, src)
+        a, b = (_filled_at(size, lead) for lead in leads)
+        assert await engine.read_many([(4, a), (4, b)]) == [None, None]
+        assert torch.equal(a, src) and torch.equal(b, src)
+        c, d = (_filled_at(size, lead) for lead in leads)
+        await asyncio.gather(engine.read(4, c), engine.read(4, d))
+        assert torch.equal(c, src) and torch.equal(d, src)
 
     async def test_source_may_change_after_write_returns(self, engine: DiskEngine) -> None:
         src = random_bytes(5 * CHUNK + 3, seed=2)

@@ -228,9 +228,11 @@ class Packs:
         for i in by_place[1:]:
             first, last = items[group[0]].blob, items[group[-1]].blob
             b = items[i].blob
+            # A blob asked for twice this turn starts a group of its own: a group's scatter
+            # lays out disjoint pieces in disk order, and two reads of one place are not.
             if (
                 b.file is first.file
-                and b.offset - (last.offset + pad(last.size)) <= READ_GAP
+                and 0 <= b.offset - (last.offset + pad(last.size)) <= READ_GAP
                 and b.offset + pad(b.size) - first.offset <= self._chunk
             ):
                 group.append(i)
