@@ -143,6 +143,80 @@ async def test_a_buffered_write_that_fails_in_write_back_fails(
         await engine.close()
 
 
+class _ErrorSequence:
+    """The kernel's write-back error reporting, as ``sync_file_range`` sees it: one error
+    sequence per file, one cursor per open file description (here, per descriptor number,
+    as the engine never duplicates one); a check reports what failed since its cursor.
+
+    The first range checked is the one whose write-back fails; its check then waits until
+    another thread's check has run, as happens when the I/O threads race.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self.errors = 0
+        self.cursors: dict[int, int] = {}
+        self.failed: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+        self.another_checked = threading.Event()
+
+    def __call__(self, fd: int, offset: int, n: int, flags: int) -> int:
+        import ctypes
+
+        with self.lock:
+            first = not self.failed
+            if first:
+                self.failed.append((offset, n))
+                self.errors += 1
+        if first:
+            self.another_checked.wait(5)
+        with self.lock:
+            seen = self.cursors.get(fd, 0)
+            self.cursors[fd] = self.errors
+        if not first:
+            self.another_checked.set()
+        if seen != self.errors:
+            ctypes.set_errno(errno.EIO)
+            return -1
+        return 0
+
+
+async def test_a_failed_write_back_fails_its_write_whichever_thread_checks_first(
+    tmp_path: Path, config: StoreConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Buffered writes: Linux reports a write-back error once per open file description. With
+    one descriptor shared by the I/O threads, another thread's check took the error and the
+    write whose pages had failed was trusted (Note: [Each thread checks write-back on its own
+    descriptor])."""
+    import asyncio
+
+    from tierstore.tiers.raw import _syscalls
+
+    kernel = _ErrorSequence()
+    monkeypatch.setattr(_syscalls, "_SYNC_FILE_RANGE", kernel)
+    settings = config.replace(direct_io="off", io_threads=4, io_chunk_bytes=2 * MiB)
+    engine = RawEngine(make_dirs(tmp_path, 1), settings)
+    try:
+        # One chunk each, too big for a pack: each blob's write is checked alone.
+        srcs = {k: random_bytes(MiB + PAGE, seed=k) for k in range(4)}
+        outcomes = await asyncio.gather(
+            *(engine.write(k, t) for k, t in srcs.items()), return_exceptions=True
+        )
+        assert kernel.another_checked.is_set(), "the checks did not race"
+        ((bad, bad_n),) = kernel.failed
+        for key, outcome in zip(srcs, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                assert isinstance(outcome, OSError) and outcome.errno == errno.EIO
+                assert not engine.holds(key)
+                continue
+            for c in _blob(engine, key).chunks:
+                end = c.offset + pad(c.lead + c.length)
+                assert end <= bad or c.offset >= bad + bad_n, f"blob {key} trusted, unwritten"
+    finally:
+        await engine.close()
+
+
 async def test_a_quota_on_the_growth_step_falls_back_to_the_exact_size(
     tmp_path: Path, config: StoreConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -88,11 +88,13 @@ class ChunkIO:
         src = address + c.start
         padded = pad(c.lead + c.length)
         if not c.file.direct:
+            # Before the write: see Note: [Each thread checks write-back on its own descriptor].
+            check = c.file.writeback_fd()
             if self.checksum:
                 blob.crcs[i] = crc32c(src, c.length)
             pwrite_all(c.file.fd, view[c.start : c.start + c.length], c.offset + c.lead)
             # The whole padded extent: DONTNEED keeps partly covered pages.
-            drop_cached(c.file.fd, c.offset, padded, dirty=True)
+            drop_cached(check, c.offset, padded, dirty=True)
             return
         if (src - c.lead) % PAGE == 0:
             # Straight from the tensor's pages, neighbours included (Note: [A tensor's lead]).
@@ -183,9 +185,10 @@ class ChunkIO:
                     b.crc = crc32c(at, b.size)
             last = blobs[-1]
             total = last.offset + pad(last.size) - first.offset
+            check = None if first.file.direct else first.file.writeback_fd()
             pwrite_all(first.file.fd, buf.view[:total], first.offset)
-            if not first.file.direct:
-                drop_cached(first.file.fd, first.offset, total, dirty=True)
+            if check is not None:
+                drop_cached(check, first.offset, total, dirty=True)
         finally:
             self._bounce.put(buf)
         return changed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from typing import TYPE_CHECKING
@@ -57,6 +58,8 @@ class SpillFile:
         self.full = False
         """The last growth failed with ENOSPC/EDQUOT (Note: [A full directory is skipped])."""
         self.warned_full = False
+        self._check_fds: dict[int, int] = {}
+        self._check_fds_lock = threading.Lock()
 
     def free_space(self) -> int:
         """Bytes the filesystem of this file's directory has free for this user."""
@@ -102,10 +105,44 @@ class SpillFile:
             # None only if the loop thread took the new space first; the caller tries again.
             return self.extents.alloc(nbytes)
 
+    def writeback_fd(self) -> int:
+        """This thread's own descriptor of the file, to check a buffered write's write-back on.
+
+        Note: [Each thread checks write-back on its own descriptor]
+            Linux reports a write-back error once per open file description, not per byte
+            range: each description keeps its own cursor into the file's error sequence, and
+            ``sync_file_range`` reports whatever failed since that cursor, then advances it.
+            With one descriptor shared by the I/O threads, the first thread to check took
+            another thread's error: the write whose pages had failed passed its own check, and
+            the store dropped its host copy and trusted bytes the disk never took. Each I/O
+            thread therefore checks through a descriptor of its own, taken before it writes,
+            and sees every error since its last check: a failed write-back fails every
+            buffered write checked after it, on any thread, which keeps their tensors in
+            memory, and none is trusted. Taken after the write, a descriptor opened then
+            starts past an error another thread has already seen, and misses it.
+
+        Raises:
+            OSError: the file cannot be opened again, or its path now names another file.
+        """
+        me = threading.get_ident()
+        fd = self._check_fds.get(me)
+        if fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            opened, own = os.fstat(fd), os.fstat(self.fd)
+            if (opened.st_dev, opened.st_ino) != (own.st_dev, own.st_ino):
+                os.close(fd)
+                raise OSError(errno.ESTALE, f"{self.path} is no longer the spill file")
+            with self._check_fds_lock:
+                self._check_fds[me] = fd
+        return fd
+
     def close_descriptor(self) -> None:
-        """Close the file's descriptor, leaving the file (errors ignored)."""
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        """Close the file's descriptors, leaving the file (errors ignored)."""
+        with self._check_fds_lock:
+            fds, self._check_fds = [self.fd, *self._check_fds.values()], {}
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def close(self) -> None:
         """Close and remove the file (errors ignored: it is the process's own scratch)."""
