@@ -282,3 +282,39 @@ def test_config_errors_list_the_aliases_too() -> None:
     with pytest.raises(ConfigError) as info:
         StoreConfig.from_env({}).replace(hostbytes="1GiB")
     assert _known_ones(info.value) == fields | {"disk_dir"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("host_bytes", -(1 << 20), "cannot be negative"),
+        ("io_chunk_bytes", 1000, "from 4KiB to 1GiB"),
+        ("io_threads", 0, "from 1 to 256"),
+        ("checksum", "md5", "must be one of crc32c, none"),
+        ("direct_io", "yes", "must be one of auto, on, off"),
+        ("disk_dirs", (), "names no directory"),
+        ("max_inflight_bytes", 0, "must be positive"),
+    ],
+)
+def test_a_config_built_directly_is_checked(field: str, value: object, fragment: str) -> None:
+    """A ``StoreConfig(...)`` was used as given: no check named the bad value."""
+    with pytest.raises(ConfigError, match=fragment) as info:
+        StoreConfig(**{field: value})  # type: ignore[arg-type]
+    assert str(info.value).startswith(f"{field}=")
+
+
+def test_a_config_built_directly_is_normalized_as_from_env_would() -> None:
+    """``checksum="CRC32C"`` built directly turned checksums off: the engine compares with
+    ``"crc32c"``, and a corrupted spill came back as other values."""
+    built = StoreConfig(
+        checksum="CRC32C",  # type: ignore[arg-type]
+        direct_io="ON",  # type: ignore[arg-type]
+        host_bytes="64MiB",  # type: ignore[arg-type]
+        disk_dirs=("/tmp",),  # type: ignore[arg-type]
+    )
+    parsed = StoreConfig.from_env(
+        {}, checksum="CRC32C", direct_io="ON", host_bytes="64MiB", disk_dirs=["/tmp"]
+    )
+    assert built == parsed
+    assert (built.checksum, built.direct_io, built.host_bytes) == ("crc32c", "on", 64 << 20)
+    assert built.disk_dirs == (Path("/tmp"),)

@@ -287,6 +287,20 @@ class StoreConfig:
     checksum: Checksum = "crc32c"
     """Checksum of spilled bytes, verified on every read."""
 
+    def __post_init__(self) -> None:
+        """Check and normalize every field, as :meth:`from_env` does.
+
+        A config built directly was used as given: ``checksum="CRC32C"`` turned checksums off
+        (the engine compares with ``"crc32c"``), a negative ``host_bytes`` ran, and
+        ``io_chunk_bytes=1000`` failed every spill with EINVAL.
+
+        Raises:
+            ConfigError: a bad value, named with its field.
+        """
+        for f in dataclasses.fields(self):
+            value = _parse_field(f.name, f.name, getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, /, **overrides: object) -> StoreConfig:
         """Read every ``TIERSTORE_*`` variable, then apply keyword overrides.
