@@ -289,6 +289,42 @@ def test_eio_on_read_names_the_tensor_and_keeps_it(make_store: MakeStore) -> Non
     audit(store)
 
 
+class _ReadManyBreaks(FaultyEngine):
+    """An engine whose ``read_many`` raises, or answers fewer reads than asked, instead of
+    one outcome per read (an engine's bug)."""
+
+    how: str | None = None
+
+    async def read_many(self, requests: Any) -> Any:
+        how, self.how = self.how, None
+        if how == "raises":
+            raise OSError(errno.EIO, "read_many itself failed")
+        outcomes = await super().read_many(requests)
+        return outcomes[:-1] if how == "short" else outcomes
+
+
+@pytest.mark.parametrize("how", ["raises", "short"])
+def test_a_read_many_that_breaks_its_contract_fails_the_get_and_the_next_one_reads(
+    make_store: MakeStore, how: str
+) -> None:
+    """The entries stayed FETCHING for the store's life: every get of them waited its whole
+    timeout, and again after the engine recovered."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0, timeout=30)
+    engine = install_faults(store, _ReadManyBreaks)
+    t = _pattern(MiB // 4, 3)
+    h = store.put(t)
+    wait_for(lambda: store.tier_of(h) is Tier.DISK and settled(store))
+    engine.how = how
+    started = time.monotonic()
+    with pytest.raises(SpillIOError) as info:
+        store.get(h)
+    assert time.monotonic() - started < 10, "the get waited for its timeout"
+    assert f"tensor #{h.key}" in str(info.value)
+    assert store.state_of(h) is TensorState.DISK
+    assert torch.equal(store.get(h), t)
+    audit(store)
+
+
 @pytest.mark.parametrize("size", [3 * MiB, 256 * 1024], ids=["3MiB-chunked", "256KiB-packed"])
 def test_a_read_error_kept_by_the_caller_keeps_no_read_buffer(
     make_store: MakeStore, size: int

@@ -217,7 +217,17 @@ class Transfers:
         t0 = time.perf_counter()
         if reading:
             assert core.engine is not None
-            read_errors = await core.engine.read_many([(e.key, targets[e.key][0]) for e in reading])
+            requests = [(e.key, targets[e.key][0]) for e in reading]
+            try:
+                read_errors = await core.engine.read_many(requests)
+                if len(read_errors) != len(requests):
+                    raise RuntimeError(
+                        f"{type(core.engine).__name__}.read_many answered {len(read_errors)} "
+                        f"of {len(requests)} reads"
+                    )
+            except Exception as err:  # an engine's bug: every entry of the batch must end
+                read_errors = [err] * len(requests)
+            del requests
             read_error.update({e.key: err for e, err in zip(reading, read_errors, strict=True)})
         t1 = time.perf_counter()
         buffers = {key: data for key, (_, data) in targets.items()}
