@@ -61,3 +61,28 @@ def test_resting_entries_come_oldest_first_skipping_those_that_left() -> None:
     # An entry that comes back to a tier is read once, though its key was pushed twice.
     table.set_state(entries[0], S.DEVICE)
     assert [e.key for e in table.resting_oldest_first(Tier.DEVICE)] == [1, 2, 4]
+
+
+def test_keys_of_entries_gone_do_not_pile_up_and_the_order_stays_right() -> None:
+    """Keys left a heap only from its top, when the cascade read a tier over its capacity: a
+    host tier that never filled kept one key per put for the store's life."""
+    rng = random.Random(1)
+    table = EntryTable(lambda key, footprint: None)
+    live: dict[int, Entry] = {}
+    for key in range(1, 20001):
+        e = _entry(table, key)
+        table.set_state(e, S.MOVING_TO_HOST)
+        table.set_state(e, S.HOST)
+        live[key] = e
+        if rng.random() < 0.98:  # most are released soon, a few stay
+            gone = live.pop(rng.choice(list(live)[-8:]))
+            table.set_state(gone, S.RELEASED)
+            table.remove(gone)
+        if key % 997 == 0:  # a few go back and forth: their keys are pushed twice
+            back = live[rng.choice(list(live))]
+            table.set_state(back, S.FETCHING)
+            table.set_state(back, S.HOST)
+    for tier in (Tier.DEVICE, Tier.HOST):
+        assert len(table._heaps[tier]) <= 2 * len(table.entries) + 65, tier
+    assert [e.key for e in table.resting_oldest_first(Tier.HOST)] == sorted(live)
+    assert list(table.resting_oldest_first(Tier.DEVICE)) == []

@@ -188,18 +188,18 @@ class EntryTable:
         self.offloaded = 0
         self.in_transit: set[Entry] = set()
         # Keys of entries resting in DEVICE (movable ones) and HOST, as min-heaps. A key stays
-        # when its entry leaves (lazy deletion): readers skip it, and it is dropped once it
-        # reaches the top.
+        # when its entry leaves (lazy deletion): readers skip it, it is dropped once it
+        # reaches the top, and ``_push`` rebuilds a heap grown past twice the live entries.
         self._heaps: dict[Tier, list[int]] = {Tier.DEVICE: [], Tier.HOST: []}
 
     def add(self, e: Entry, t: torch.Tensor) -> None:
         """Add ``e``, newly put, resting on its device and holding ``t``."""
         self.set_copy(e, "data", t)
-        if e.movable:
-            self.resting[Tier.DEVICE] += e.nbytes
-            heapq.heappush(self._heaps[Tier.DEVICE], e.key)
         self.entries[e.key] = e
         self.live_keys.append(e.key)
+        if e.movable:
+            self.resting[Tier.DEVICE] += e.nbytes
+            self._push(Tier.DEVICE, e.key)
 
     def remove(self, e: Entry) -> None:
         """Drop ``e`` from the live entries (its copies are freed separately)."""
@@ -216,10 +216,10 @@ class EntryTable:
             self.resting[Tier.HOST] -= e.nbytes
         if new is S.DEVICE and e.movable:
             self.resting[Tier.DEVICE] += e.nbytes
-            heapq.heappush(self._heaps[Tier.DEVICE], e.key)
+            self._push(Tier.DEVICE, e.key)
         elif new is S.HOST:
             self.resting[Tier.HOST] += e.nbytes
-            heapq.heappush(self._heaps[Tier.HOST], e.key)
+            self._push(Tier.HOST, e.key)
         if (old in WINDOW) != (new in WINDOW):
             self.window += e.nbytes if new in WINDOW else -e.nbytes
         if (old is S.FETCHING) != (new is S.FETCHING):
@@ -385,6 +385,26 @@ class EntryTable:
         self.live_keys.clear()
         self.in_transit.clear()
         self.off_device = 0
+
+    def _push(self, tier: Tier, key: int) -> None:
+        """Add ``key`` to ``tier``'s heap, rebuilding the heap from its live keys when the
+        keys of entries gone outnumber them.
+
+        Note: [Keys of entries gone]
+            Keys leave a heap only from its top, and only when the cascade reads the tier,
+            which it does when the tier is over its capacity. A host tier that never fills
+            kept one key per put for the store's life (60,000 keys after 60,000 puts and
+            releases, none live). Rebuilding once the heap holds more than twice the live
+            entries (plus a few) costs O(live) every O(live) pushes.
+        """
+        heap = self._heaps[tier]
+        heapq.heappush(heap, key)
+        if len(heap) > 2 * len(self.entries) + 64:
+            state = S.DEVICE if tier is Tier.DEVICE else S.HOST
+            entries = self.entries
+            live = {k for k in heap if (e := entries.get(k)) is not None and e.state is state}
+            heap[:] = live
+            heapq.heapify(heap)
 
     def resting_oldest_first(self, tier: Tier) -> Iterator[Entry]:
         """The entries resting in ``tier`` (movable ones on the device), oldest first.
