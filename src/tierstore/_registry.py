@@ -122,8 +122,13 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 #     spill directory behind until the next start sweeps it. When the first store opens, on
 #     the main thread, and only if SIGTERM still has the default action, we install a handler
 #     that deletes the spill directories and then re-raises SIGTERM with the default action.
-#     The process still dies of SIGTERM exactly as before (same exit status, no application
-#     code runs, no exception is injected into the main thread); it just leaves no files.
+#     The process still dies of SIGTERM (same exit status, no application code runs, no
+#     exception is injected into the main thread) and leaves no files, with one difference: a
+#     Python handler runs only when the main thread is back in the interpreter, so a process
+#     blocked in a call that does not return (a stuck NCCL collective) dies when it returns,
+#     or of the SIGKILL a launcher sends after its timeout, instead of at once. Running the
+#     cleanup off the main thread would need the signal's wakeup descriptor, which asyncio
+#     and applications own, and which a forked child would share with its parent.
 #     The handler takes no store lock and waits for nothing, so it cannot deadlock with a
 #     store call it interrupted; it removes every tracked directory, stores dropped without
 #     close() included. An application that installs its own SIGTERM handler, before or after,
