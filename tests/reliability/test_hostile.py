@@ -374,24 +374,28 @@ def _mount(mnt: Path, *args: str) -> None:
         pytest.skip(f"mount refused here: {proc.stderr.strip()}")
 
 
+def _loop_mounted(image: Path, size: int, mkfs: list[str], mnt: Path) -> Path:
+    """A ``size``-byte image made with ``mkfs`` (its command and options) and loop-mounted on
+    ``mnt``, as root, or skip the test saying why."""
+    if shutil.which(mkfs[0]) is None:
+        pytest.skip(f"{mkfs[0]} is not installed")
+    with open(image, "wb") as f:
+        f.truncate(size)
+    made = subprocess.run(
+        [*mkfs, "-q", "-F", str(image)], capture_output=True, text=True, check=False
+    )
+    if made.returncode:
+        pytest.skip(f"{mkfs[0]} failed: {made.stderr.strip()}")
+    _mount(mnt, "-o", "loop", str(image))
+    return mnt
+
+
 def _ext2(tmp_path: Path) -> Path:
     """A loop-mounted ext2: it takes O_DIRECT but has no fallocate, which glibc then emulates
     by writing a byte into each block, and O_DIRECT refuses that (EINVAL)."""
-    if shutil.which("mkfs.ext2") is None:
-        pytest.skip("mkfs.ext2 is not installed")
-    image = tmp_path / "ext2.img"
-    with open(image, "wb") as f:
-        f.truncate(96 * MiB)
-    made = subprocess.run(
-        ["mkfs.ext2", "-q", "-F", "-m", "0", str(image)],
-        capture_output=True,
-        text=True,
-        check=False,
+    mnt = _loop_mounted(
+        tmp_path / "ext2.img", 96 * MiB, ["mkfs.ext2", "-m", "0"], tmp_path / "ext2"
     )
-    if made.returncode:
-        pytest.skip(f"mkfs.ext2 failed: {made.stderr.strip()}")
-    mnt = tmp_path / "ext2"
-    _mount(mnt, "-o", "loop", str(image))
     fd = os.open(mnt / "probe", os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
     try:
         os.posix_fallocate(fd, 0, 8192)
@@ -432,29 +436,15 @@ def _failing_disk(tmp_path: Path) -> tuple[Path, Path]:
     """A loop-mounted ext4 over a 256 MiB image in a 40 MiB tmpfs: once the tmpfs is full,
     writing back the page cache fails (ENOSPC from the loop device), the error a buffered
     write meets only in ``sync_file_range``. Returns (the ext4, the tmpfs)."""
-    if shutil.which("mkfs.ext4") is None:
-        pytest.skip("mkfs.ext4 is not installed")
     backing = tmp_path / "backing"
     _mount(backing, "-t", "tmpfs", "-o", "size=40m", "tmpfs")
-    image = backing / "ext4.img"
-    with open(image, "wb") as f:
-        f.truncate(256 * MiB)
-    made = subprocess.run(
-        ["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", str(image)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if made.returncode:
-        _umount(backing)
-        pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
-    mnt = tmp_path / "ext4"
+    # Inode tables and journal written now, so that the tmpfs fills with data, later.
+    mkfs = ["mkfs.ext4", "-E", "lazy_itable_init=0,lazy_journal_init=0"]
     try:
-        _mount(mnt, "-o", "loop", str(image))
+        return _loop_mounted(backing / "ext4.img", 256 * MiB, mkfs, tmp_path / "ext4"), backing
     except BaseException:
         _umount(backing)
         raise
-    return mnt, backing
 
 
 def test_buffered_spills_on_a_failing_disk_never_come_back_wrong(tmp_path: Path) -> None:
