@@ -289,11 +289,18 @@ def test_eio_on_read_names_the_tensor_and_keeps_it(make_store: MakeStore) -> Non
     audit(store)
 
 
-class _ReadManyBreaks(FaultyEngine):
-    """An engine whose ``read_many`` raises, or answers fewer reads than asked, instead of
-    one outcome per read (an engine's bug)."""
+class _BatchBreaks(FaultyEngine):
+    """An engine whose ``write_many`` or ``read_many`` raises, or answers fewer requests than
+    asked, instead of one outcome per request (an engine's bug), once, when ``how`` is set."""
 
     how: str | None = None
+
+    async def write_many(self, requests: Any) -> Any:
+        how, self.how = self.how, None
+        if how == "raises":
+            raise OSError(errno.EIO, "write_many itself failed")
+        outcomes = await super().write_many(requests)
+        return outcomes[:-1] if how == "short" else outcomes
 
     async def read_many(self, requests: Any) -> Any:
         how, self.how = self.how, None
@@ -310,7 +317,7 @@ def test_a_read_many_that_breaks_its_contract_fails_the_get_and_the_next_one_rea
     """The entries stayed FETCHING for the store's life: every get of them waited its whole
     timeout, and again after the engine recovered."""
     store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0, timeout=30)
-    engine = install_faults(store, _ReadManyBreaks)
+    engine = install_faults(store, _BatchBreaks)
     t = _pattern(MiB // 4, 3)
     h = store.put(t)
     wait_for(lambda: store.tier_of(h) is Tier.DISK and settled(store))
@@ -322,6 +329,30 @@ def test_a_read_many_that_breaks_its_contract_fails_the_get_and_the_next_one_rea
     assert f"tensor #{h.key}" in str(info.value)
     assert store.state_of(h) is TensorState.DISK
     assert torch.equal(store.get(h), t)
+    audit(store)
+
+
+@pytest.mark.parametrize("how", ["raises", "short"])
+def test_a_write_many_that_breaks_its_contract_keeps_the_tensors_and_the_store_goes_on(
+    make_store: MakeStore, how: str
+) -> None:
+    """A short answer left every entry of the batch moving to disk for the store's life, the
+    save window never given back: every later put waited its whole timeout."""
+    store = make_store(device_bytes=0, host_bytes=0, max_inflight_bytes=2 * MiB, timeout=30)
+    engine = install_faults(store, _BatchBreaks)
+    engine.how = how
+    first = [_pattern(MiB // 4, seed) for seed in range(2)]
+    handles = [store.put(t) for t in first]
+    wait_for(lambda: settled(store), timeout=10)
+    assert store.stats().write_errors >= 1
+    # The disk tier pauses after a write error (puts with no room raise meanwhile), then the
+    # store spills again.
+    wait_for(lambda: store.stats().disk_available, timeout=10)
+    later = [_pattern(MiB // 4, seed) for seed in range(2, 6)]
+    handles += [store.put(t) for t in later]
+    wait_for(lambda: settled(store), timeout=10)
+    for h, t in zip(handles, first + later, strict=True):
+        assert torch.equal(store.get(h), t)
     audit(store)
 
 

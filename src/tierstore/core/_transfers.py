@@ -30,6 +30,8 @@ from tierstore.tiers._device import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sized
+
     from tierstore.core._core import StoreCore
     from tierstore.core._entries import Entry
 
@@ -133,8 +135,14 @@ class Transfers:
         if requests:
             try:
                 outcomes = await core.engine.write_many(requests)
+                _check_answered(core.engine, "write_many", outcomes, requests)
             except Exception as err:  # an engine's bug: every entry of the batch must end
                 outcomes = [err] * len(requests)
+                # It may have stored some: a later spill of those keys would be refused.
+                try:
+                    await core.engine.delete_many([r.key for r in requests])
+                except Exception:
+                    log.exception("tierstore: deleting a failed batch's blobs failed")
         with core.lock:
             core.counters.seconds_to_disk += time.perf_counter() - t0
             for e, outcome in [*zip(written, outcomes, strict=True), *refused]:
@@ -220,11 +228,7 @@ class Transfers:
             requests = [(e.key, targets[e.key][0]) for e in reading]
             try:
                 read_errors = await core.engine.read_many(requests)
-                if len(read_errors) != len(requests):
-                    raise RuntimeError(
-                        f"{type(core.engine).__name__}.read_many answered {len(read_errors)} "
-                        f"of {len(requests)} reads"
-                    )
+                _check_answered(core.engine, "read_many", read_errors, requests)
             except Exception as err:  # an engine's bug: every entry of the batch must end
                 read_errors = [err] * len(requests)
             del requests
@@ -422,3 +426,16 @@ def _released(e: Entry) -> bool:
     # A function, not an inline test: the state changes across the task's awaits, and an
     # inline test would let the type checker narrow it for the rest of the coroutine.
     return e.state is S.RELEASED
+
+
+def _check_answered(engine: object, call: str, outcomes: Sized, requests: Sized) -> None:
+    """Raise if an engine's batch call did not answer each request once.
+
+    Raises:
+        RuntimeError: ``outcomes`` and ``requests`` differ in length (an engine's bug, which
+            would otherwise leave some entries of the batch moving for the store's life).
+    """
+    if len(outcomes) != len(requests):
+        raise RuntimeError(
+            f"{type(engine).__name__}.{call} answered {len(outcomes)} of {len(requests)} requests"
+        )

@@ -59,7 +59,10 @@ class SpillFile:
         """The last growth failed with ENOSPC/EDQUOT (Note: [A full directory is skipped])."""
         self.warned_full = False
         self._check_fds: dict[int, int] = {}
-        self._check_fds_lock = threading.Lock()
+        """Each I/O thread's own descriptor, by thread: only that thread adds its entry (one
+        dict store, atomic), and only ``close_descriptor`` reads them all, once the threads
+        have stopped or in a forked child. No lock: one held by a thread when another forks
+        would stay held in the child, whose reset closes these."""
 
     def free_space(self) -> int:
         """Bytes the filesystem of this file's directory has free for this user."""
@@ -132,14 +135,12 @@ class SpillFile:
             if (opened.st_dev, opened.st_ino) != (own.st_dev, own.st_ino):
                 os.close(fd)
                 raise OSError(errno.ESTALE, f"{self.path} is no longer the spill file")
-            with self._check_fds_lock:
-                self._check_fds[me] = fd
+            self._check_fds[me] = fd
         return fd
 
     def close_descriptor(self) -> None:
         """Close the file's descriptors, leaving the file (errors ignored)."""
-        with self._check_fds_lock:
-            fds, self._check_fds = [self.fd, *self._check_fds.values()], {}
+        fds, self._check_fds = [self.fd, *self._check_fds.values()], {}
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
