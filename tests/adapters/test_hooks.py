@@ -82,6 +82,40 @@ def test_grads_equal_to_no_offload_with_each_tier(store_factory: StoreFactory, t
     assert stats.live_entries == 0
 
 
+# forward_ad loads torch's JVP decompositions, written with torch.jit.script, at first use.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_forward_mode_ad_zeros_stay_and_the_disk_tier_goes_on(
+    store_factory: StoreFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tangent product with a weight that has no tangent saves forward-mode AD's
+    ZeroTensor, which has no bytes: put refuses it and it stays where it is. It used to be
+    stored, its disk write failed, and the disk tier paused: the next real tensors were kept
+    in memory as if the disk were full, every step."""
+    import torch.autograd.forward_ad as fwad
+
+    def run(store: tierstore.TieredStore | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        p = torch.randn(600, 600, requires_grad=True)
+        w = torch.randn(600, 600, requires_grad=True)
+        tangent = torch.randn(600, 600)
+        offload = tierstore.offload_activations(store) if store else contextlib.nullcontext()
+        with fwad.dual_level(), offload:
+            y = fwad.make_dual(p, tangent) @ w
+            loss = fwad.unpack_dual(y).tangent.pow(2).sum() + (y.sigmoid() * w).sum()
+        loss.backward()
+        assert p.grad is not None and w.grad is not None
+        return [loss, p.grad, w.grad]
+
+    expected = run(None)
+    store = store_factory("disk")
+    with caplog.at_level(logging.WARNING, logger="tierstore"):
+        got = run(store)
+    assert_equal_tensors(expected, got)
+    stats = stats_once_released(store)
+    assert stats.write_errors == 0 and stats.kept_no_room == 0, caplog.text
+    assert stats.bytes_to_disk == stats.bytes_put > 0
+
+
 # -- invariant 1: memory flat across steps --------------------------------------------------
 
 

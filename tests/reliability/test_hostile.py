@@ -57,6 +57,8 @@ HOSTILE: dict[str, tuple[Callable[[], object], str]] = {
     "meta_huge": (lambda: torch.empty(1 << 50, device="meta"), "meta"),
     "numpy_array": (lambda: torch.ones(3).numpy(), "ndarray"),
     "none": (lambda: None, "NoneType"),
+    # Forward-mode AD's zeros: its disk write failed and paused the disk tier.
+    "zerotensor": (lambda: torch._efficientzerotensor(1 << 20), "ZeroTensor"),
 }
 if hasattr(torch.Tensor, "to_mkldnn") and torch.backends.mkldnn.is_available():
     HOSTILE["mkldnn"] = (lambda: torch.ones(4, 4).to_mkldnn(), "mkldnn")

@@ -62,6 +62,10 @@ def unsupported(t: object) -> str | None:
         return "nested tensors are not supported; keep them in memory"
     if t.is_quantized:
         return "quantized tensors are not supported; store .int_repr() and the scales instead"
+    if t._is_zerotensor():
+        # Forward-mode AD's stand-in for zeros has no memory: its write to disk failed and
+        # paused the disk tier.
+        return "a ZeroTensor (forward-mode AD's zeros) has no bytes to store; keep it in memory"
     if not t.is_cpu and not _accelerator.is_accelerator(t.device):
         return (
             f"tensors on device {str(t.device)!r} are not supported; tierstore moves CPU "
