@@ -313,6 +313,53 @@ def test_a_layer_that_checkpoints_itself_inside_checkpoint(store_factory: StoreF
     assert x.grad is not None
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("passed", ["keyword", "partial", "nested", "positional"])
+def test_inputs_torch_does_not_check_may_be_written_in_place_as_with_torchs_checkpoint(
+    store_factory: StoreFactory, passed: str, tier: str
+) -> None:
+    """A statistics buffer the forward updates in place: torch's checkpoint checks only the
+    top-level positional tensors it is given, and trains with the buffer passed as a
+    keyword, bound in a partial or nested in a tuple (the recompute gets the buffer as it is
+    then). tierstore.checkpoint raised for all three; passed positionally, both raise."""
+    store = store_factory(tier)
+
+    def f(x: torch.Tensor, w: torch.Tensor, stats: Any) -> torch.Tensor:
+        buffer = stats[0] if isinstance(stats, tuple) else stats
+        h = (x @ w).tanh()
+        with torch.no_grad():
+            buffer.add_(h.abs().mean(0))
+        return h * 2
+
+    def run(ckpt: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        x = torch.randn(1024, 300, requires_grad=True)  # over 1 MiB: on disk, it is read back
+        w = torch.randn(300, 300, requires_grad=True)
+        stats = torch.zeros(300)
+        if passed == "keyword":
+            y = ckpt(f, x * 1.0, w, stats=stats)
+        elif passed == "partial":
+            y = ckpt(functools.partial(f, stats=stats), x * 1.0, w)
+        else:
+            y = ckpt(f, x * 1.0, w, (stats,) if passed == "nested" else stats)
+        y.pow(2).sum().backward()
+        assert x.grad is not None and w.grad is not None
+        return [x.grad, w.grad, stats]
+
+    def torchs(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    def ours(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return tierstore.checkpoint(fn, *args, store=store, **kwargs)
+
+    if passed == "positional":
+        for ckpt in (torchs, ours):
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                run(ckpt)
+        return
+    assert_equal_tensors(run(torchs), run(ours))
+
+
 @pytest.mark.parametrize("passed", ["positional", "keyword"])
 def test_one_tensor_passed_as_several_arguments_is_one_tensor_in_the_recompute(
     store_factory: StoreFactory, passed: str

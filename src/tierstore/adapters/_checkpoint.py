@@ -58,7 +58,7 @@ from tierstore.adapters._reentry import (
 from tierstore.adapters._storage import Kept, Saved, StorageTable
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Generator
+    from collections.abc import Callable, Generator, Sequence
 
     from tierstore._sync import TieredStore
 
@@ -94,17 +94,19 @@ def _last_frames() -> weakref.WeakKeyDictionary[TieredStore, weakref.ref[_StoreF
 
 
 class _Input:
-    """An input kept in the store (Note: [Inputs live in the store])."""
+    """An input kept in the store (Note: [Inputs live in the store]); ``checked``: whether a
+    write in place since the forward raises (Note: [Which inputs torch checks])."""
 
-    __slots__ = ("requires_grad", "saved")
+    __slots__ = ("checked", "requires_grad", "saved")
 
-    def __init__(self, saved: Saved, requires_grad: bool) -> None:
+    def __init__(self, saved: Saved, requires_grad: bool, checked: bool) -> None:
         self.saved = saved
         self.requires_grad = requires_grad
+        self.checked = checked
 
     def get(self) -> torch.Tensor:
         alive = self.saved.source()
-        if alive is not None and alive._version == self.saved.version:
+        if alive is not None and (not self.checked or alive._version == self.saved.version):
             # The object itself, its memory in use anyway; nothing to fetch.
             self.saved.stored.count_unpacked(self.saved)
             return alive
@@ -179,8 +181,25 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
         if not _FRAME_READS_INPUTS:
             self.input_saver = _InputSaver(self)
 
-    def save_inputs(self, *args: Any) -> None:
+    def save_inputs(self, *args: Any, checked: Sequence[bool] = ()) -> None:
+        """Keep ``args`` (the flattened inputs) in the store; ``checked[i]``: whether a write
+        in place to ``args[i]`` since the forward raises (default: every one).
+
+        Note: [Which inputs torch checks]
+            torch's checkpoint saves its top-level positional tensor arguments for backward,
+            and autograd checks those for writes in place; it holds keyword arguments, tensors
+            nested in containers and a ``functools.partial``'s bound ones in a closure, and
+            its recompute uses them as they are then. Checking every input raised where
+            torch's checkpoint trains (a statistics buffer updated in place by the forward,
+            passed as a keyword). So only the ones torch saves are checked; the others, if
+            still alive, are handed to the recompute as they are, as torch does; once dead,
+            they are rebuilt from the store.
+        """
         table = _table_of(self.store)
+        check = dict.fromkeys((id(a) for a in args if isinstance(a, torch.Tensor)), False)
+        for arg, c in zip(args, checked or [True] * len(args), strict=True):
+            if c and isinstance(arg, torch.Tensor):
+                check[id(arg)] = True  # checked wherever torch would check one of its places
         saved: list[Any] = []
         first: dict[int, int] = {}  # id of a tensor argument -> where it was saved
         for arg in args:
@@ -194,9 +213,9 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
             packed = table.offload(self.store, arg, self.min_bytes)
             saved.append(
                 # Held as torch's frame holds it, its version checked as autograd would.
-                _Input(packed, arg.requires_grad)
+                _Input(packed, arg.requires_grad, check[id(arg)])
                 if isinstance(packed, Saved)
-                else Kept(arg, detach=False)
+                else Kept(arg, detach=False, checked=check[id(arg)])
             )
         self.saved_args = saved
 
@@ -232,9 +251,22 @@ def _check_reentrant(use_reentrant: bool | None) -> None:
         )
 
 
+def _checked_by_torch(positional: tuple[Any, ...], bound: int, named: dict[str, Any]) -> list[bool]:
+    """For each leaf of ``(positional, named)`` flattened, whether torch's checkpoint checks
+    it for writes in place (Note: [Which inputs torch checks]): the top-level positional
+    tensors it was given, not those a ``functools.partial`` bound, which it sees only as the
+    function."""
+    checked: list[bool] = []
+    for i, arg in enumerate(positional):
+        top = i >= bound and isinstance(arg, torch.Tensor)
+        checked += [top] * len(pytree.tree_leaves(arg))
+    return checked + [False] * len(pytree.tree_leaves(named))
+
+
 def _frames(
     function: Callable[..., Any],
     leaves: list[Any],
+    checked: list[bool],
     spec: pytree.TreeSpec,
     owner: object,
     store: TieredStore,
@@ -317,7 +349,7 @@ def _frames(
         store,
         min_bytes_of(store, None),
     )
-    frame.save_inputs(*leaves)
+    frame.save_inputs(*leaves, checked=checked)
     last = _last_frames()
     frame.prev = last.get(store)
     last[store] = weakref.ref(frame)
@@ -421,9 +453,11 @@ def checkpoint(
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     resolved = resolve_store(store)
-    leaves, spec = pytree.tree_flatten((bound_args + args, {**bound_kwargs, **kwargs}))
+    positional, named = bound_args + args, {**bound_kwargs, **kwargs}
+    leaves, spec = pytree.tree_flatten((positional, named))
+    checked = _checked_by_torch(positional, len(bound_args), named)
     frames = _frames(
-        inner, leaves, spec, owner, resolved, preserve_rng_state, context_fn,
+        inner, leaves, checked, spec, owner, resolved, preserve_rng_state, context_fn,
         determinism_check, debug, early_stop,
     )  # fmt: skip
     next(frames)

@@ -217,13 +217,14 @@ class Kept:
 
     __slots__ = ("kept", "version")
 
-    def __init__(self, t: torch.Tensor, *, detach: bool = True) -> None:
+    def __init__(self, t: torch.Tensor, *, detach: bool = True, checked: bool = True) -> None:
         """``detach=False`` keeps ``t`` itself: a checkpoint's input, which the recompute
-        gets as the very object the forward saw."""
+        gets as the very object the forward saw. ``checked=False``: a write in place since
+        does not raise (a checkpoint input torch does not check either)."""
         self.kept = t.detach() if detach else t
         # None for an inference tensor, which keeps no counter (and which autograd refuses
         # to save with its own error; a checkpoint's input reaches here before that).
-        self.version = version_of(t)
+        self.version = version_of(t) if checked else None
 
     def tensor(self) -> torch.Tensor:
         """The kept tensor.
