@@ -314,14 +314,17 @@ def test_a_layer_that_checkpoints_itself_inside_checkpoint(store_factory: StoreF
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
-@pytest.mark.parametrize("passed", ["keyword", "partial", "nested", "positional"])
+@pytest.mark.parametrize(
+    "passed", ["keyword", "keyword-temporary", "keyword-view", "partial", "nested", "positional"]
+)
 def test_inputs_torch_does_not_check_may_be_written_in_place_as_with_torchs_checkpoint(
     store_factory: StoreFactory, passed: str, tier: str
 ) -> None:
     """A statistics buffer the forward updates in place: torch's checkpoint checks only the
     top-level positional tensors it is given, and trains with the buffer passed as a
-    keyword, bound in a partial or nested in a tuple (the recompute gets the buffer as it is
-    then). tierstore.checkpoint raised for all three; passed positionally, both raise."""
+    keyword (a temporary, a view of a buffer), bound in a partial or nested in a tuple (the
+    recompute gets the buffer as it is then). tierstore.checkpoint raised for all of them;
+    passed positionally, both raise."""
     store = store_factory(tier)
 
     def f(x: torch.Tensor, w: torch.Tensor, stats: Any) -> torch.Tensor:
@@ -338,6 +341,12 @@ def test_inputs_torch_does_not_check_may_be_written_in_place_as_with_torchs_chec
         stats = torch.zeros(300)
         if passed == "keyword":
             y = ckpt(f, x * 1.0, w, stats=stats)
+        elif passed == "keyword-temporary":  # dies with the call: only the forward's write
+            y = ckpt(f, x * 1.0, w, stats=torch.zeros(300))
+        elif passed == "keyword-view":  # the view dies with the call, its base lives
+            buf = torch.zeros(4, 300)
+            y = ckpt(f, x * 1.0, w, stats=buf[1])
+            stats = buf
         elif passed == "partial":
             y = ckpt(functools.partial(f, stats=stats), x * 1.0, w)
         else:

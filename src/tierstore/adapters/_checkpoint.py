@@ -193,7 +193,10 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
             torch's checkpoint trains (a statistics buffer updated in place by the forward,
             passed as a keyword). So only the ones torch saves are checked; the others, if
             still alive, are handed to the recompute as they are, as torch does; once dead,
-            they are rebuilt from the store.
+            they are rebuilt from the store. One the forward itself wrote (a statistics
+            buffer) is held as it is from the forward's end (:meth:`hold_inputs_written`).
+            What still raises where torch trains: an unchecked input that dies after the
+            forward, then is written through a view or base that lives on.
         """
         table = _table_of(self.store)
         check = dict.fromkeys((id(a) for a in args if isinstance(a, torch.Tensor)), False)
@@ -218,6 +221,20 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
                 else Kept(arg, detach=False, checked=check[id(arg)])
             )
         self.saved_args = saved
+
+    def hold_inputs_written(self) -> None:
+        """At the forward's end: hold as they are the unchecked inputs it wrote in place.
+
+        Their stored bytes are from before the write, and the recompute must get what torch's
+        would, the tensor as it is then; a temporary (``stats=torch.zeros(n)``) or a view
+        (``stats=buf[1]``) dies with the call, and its record could then only raise. Inputs
+        the forward left alone stay in the store (Note: [Which inputs torch checks]).
+        """
+        for i, arg in enumerate(self.saved_args):
+            if isinstance(arg, _Input) and not arg.checked:
+                alive = arg.saved.source()
+                if alive is not None and alive._version != arg.saved.version:
+                    self.saved_args[i] = Kept(alive, detach=False, checked=False)
 
     def get_inputs(self) -> list[Any]:
         previous = self.prev() if self.prev is not None else None
@@ -355,6 +372,7 @@ def _frames(
     last[store] = weakref.ref(frame)
     with tc._checkpoint_hook(frame), forward_context:
         yield
+    frame.hold_inputs_written()
     frame.forward_completed = True
     if preserve_rng_state and not had_device and getattr(device_module, "_initialized", False):
         raise RuntimeError(
