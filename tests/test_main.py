@@ -118,9 +118,20 @@ def test_info_still_reports_everything_else_when_the_engine_cannot_open(
 
     monkeypatch.setattr("tierstore.core._disk_tier.open_disk_tier", no_space)
     done = info(env={"TIERSTORE_DISK_DIR": str(tmp_path)})
-    assert done.returncode == 0, done.stderr
+    # A store would fail to open there: exit 2, as for a directory it refuses outright.
+    assert done.returncode == 2, done.stderr
     assert "disk engine: cannot open ([Errno 28] No space left on device)" in done.stdout
     assert "torch" in done.stdout and f"spill directory {tmp_path}:" in done.stdout
+
+
+def test_a_spill_directory_that_cannot_be_made_exits_2_with_the_stores_hint(info: Info) -> None:
+    """``/proc`` takes no directory. As root, which passes the permission check, the
+    engine's mkdir failed, ``info`` exited 0, and the hint said to free space there."""
+    expected = _store_error(Path("/proc"))
+    assert "free space" not in expected, expected
+    done = info(env={"TIERSTORE_DISK_DIR": "/proc"})
+    assert done.returncode == 2, done.stdout
+    assert expected.split("tierstore-")[0] in done.stdout + done.stderr
 
 
 def test_info_can_be_collected_inside_a_running_event_loop(

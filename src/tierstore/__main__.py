@@ -260,8 +260,9 @@ _TEMPORARY_PATHS = ("directories", "groups", "direct_io", "direct_io_reason")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m tierstore``."""
-    parser = argparse.ArgumentParser(prog="python -m tierstore")
+    """Entry point of ``tierstore`` and ``python -m tierstore``: 0, or 2 for a configuration
+    a store would refuse (the disk engine's directories included)."""
+    parser = argparse.ArgumentParser(prog="tierstore")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="print the configuration and what was detected")
     info.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -277,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(facts, indent=2))
     else:
         _print(facts)
-    return 0
+    engine = facts["engine"]
+    # A store would refuse to open there: the report printed, the exit says so too.
+    return 2 if isinstance(engine, dict) and "error" in engine else 0
 
 
 if __name__ == "__main__":

@@ -318,9 +318,13 @@ class SpillDirectory:
                 raise
 
     def _cannot_create(self, parent: Path, exc: OSError) -> ConfigError:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        # Root passes the permission check before (os.access), and meets a read-only or
+        # root-squashed mount only here.
+        what = "free space there" if full else "make it writable for this process"
         return ConfigError(
             f"{_VAR}={str(parent)!r}: cannot create the spill directory {self.path.name!r} there "
-            f"({exc.strerror}); free space there or choose another directory"
+            f"({exc.strerror}); {what} or choose another directory"
         )
 
     def remove(self) -> None:

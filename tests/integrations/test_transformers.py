@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -455,13 +457,36 @@ def test_the_replaced_methods_take_what_transformers_methods_take(
     enable_offloaded_checkpointing(model, store)
     name = "activation" if HAS_ACTIVATION_NAMES else "gradient"
     enable = getattr(model, f"{name}_checkpointing_enable")
-    with pytest.raises(TypeError, match="every_n_layer"):
+    # Named as the method called: the message named tierstore's private function behind it.
+    with pytest.raises(TypeError, match=rf"{name}_checkpointing_enable\(\).*every_n_layer"):
         enable(every_n_layer=2)
+    with pytest.raises(TypeError, match=rf"{name}_checkpointing_disable\(\)"):
+        getattr(model, f"{name}_checkpointing_disable")(True)
+    if HAS_ACTIVATION_NAMES:  # the old name forwards its keywords to the new one
+        with pytest.raises(TypeError, match=r"activation_checkpointing_enable\(\).*'foo'"):
+            model.gradient_checkpointing_enable(foo=1)
     shown = inspect.signature(enable).parameters
     original = inspect.signature(getattr(type(model), f"{name}_checkpointing_enable"))
     assert list(shown) == list(original.parameters)[1:]
     assert "store" not in shown and "chosen" not in shown
     turn_checkpointing_off(model)
+
+
+def test_del_model_frees_it_at_once(store: tierstore.TieredStore) -> None:
+    """The replaced methods held the model strongly: a cycle through the model's __dict__
+    kept ``del model`` (between notebook runs, a Trainer's model_init) from freeing the
+    weights until the cycle collector ran."""
+    model = tiny_llama()
+    enable_offloaded_checkpointing(model, store)
+    model.train()
+    step_grads(model, torch.randint(0, 64, (2, 16)), store)
+    gone = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_a_model_with_tierstores_checkpoint_pickles(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ import copy
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -148,7 +149,10 @@ class _Method:
     def __init__(
         self, model: torch.nn.Module, name: str, store: TieredStore | None, chosen: int
     ) -> None:
-        self._model, self._name, self._store, self._chosen = model, name, store, chosen
+        # Weakly: the model holds this object, and a strong reference back made a cycle that
+        # kept ``del model`` from freeing the weights until the collector ran.
+        self._model_ref = weakref.ref(model)
+        self._name, self._store, self._chosen = name, store, chosen
         enable = functools.partial(_enable, store=store, chosen=chosen)
         self._fn: Callable[..., None] = {
             "activation_checkpointing_enable": enable,
@@ -158,7 +162,18 @@ class _Method:
         self.__signature__ = own.replace(parameters=list(own.parameters.values())[1:])
         self.__name__ = self.__qualname__ = name
 
+    @property
+    def _model(self) -> torch.nn.Module:
+        model = self._model_ref()
+        if model is None:  # only reachable through a reference kept to this object itself
+            raise ReferenceError(f"{self._name}: the model it belonged to was deleted")
+        return model
+
     def __call__(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            self.__signature__.bind(*args, **kwargs)
+        except TypeError as err:  # named as the method called, not the function behind it
+            raise TypeError(f"{self._name}(): {err}") from None
         self._fn(self._model, *args, **kwargs)
 
     def __reduce__(self) -> tuple[type[_Method], tuple[Any, ...]]:
@@ -238,8 +253,24 @@ def _enable_legacy(
     enable: Callable[..., None],
     **kw: Any,
 ) -> None:
-    """``model.gradient_checkpointing_enable``: the name before transformers renamed it."""
+    """``model.gradient_checkpointing_enable``: the name before transformers renamed it.
+
+    Raises:
+        TypeError: a keyword the new name does not take, named as transformers names it.
+    """
+    for key in kw:
+        if key not in _ENABLE_KEYWORDS:
+            raise TypeError(
+                f"activation_checkpointing_enable() got an unexpected keyword argument {key!r}"
+            )
     enable(model, gradient_checkpointing_kwargs, **kw)
+
+
+_ENABLE_KEYWORDS = frozenset(inspect.signature(_enable).parameters) - {
+    "model", "activation_checkpointing_kwargs", "store", "chosen",
+}  # fmt: skip
+"""What ``activation_checkpointing_enable`` takes besides its kwargs, which the legacy name
+forwards to it."""
 
 
 def _disable(model: torch.nn.Module) -> None:
