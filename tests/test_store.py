@@ -9,6 +9,7 @@ import functools
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -1476,3 +1477,87 @@ def test_a_small_put_that_would_push_a_big_entry_onto_a_full_disk_is_refused(
     assert stats.host.bytes <= 4 * MiB and stats.kept_no_room == 0, stats
     assert store.tier_of(big) is Tier.HOST
     store.close()
+
+
+def test_a_call_from_inside_the_store_never_waits_on_itself(make_store: MakeStore) -> None:
+    """The collector runs a ``__del__`` on whatever thread allocates, one inside the store's
+    lock included (``put`` allocates under it). A finalizer that released its handle there
+    waited on its own thread for ever, and the process with it. Now a release is queued,
+    and any other call raises WrongThreadError (Note: [A call from inside the store])."""
+    store = make_store(host_bytes="64MiB")
+    h = store.put(torch.ones(1024))
+    kept = store.put(torch.arange(1024.0))
+    outcome: list[object] = []
+
+    def inside() -> None:  # what a finalizer run under the lock does
+        assert store._core is not None
+        with store._core.lock:
+            store.release(h)
+            try:
+                store.get(kept)
+            except tierstore.WrongThreadError as err:
+                outcome.append(err)
+
+    thread = threading.Thread(target=inside, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "a call from inside the store waited on itself"
+    assert len(outcome) == 1 and "inside it" in str(outcome[0])
+    wait_for(lambda: store.stats().live_entries == 1)
+    assert store.state_of(h) is TensorState.RELEASED
+    assert torch.equal(store.get(kept), torch.arange(1024.0))
+
+
+def test_a_finalizer_that_releases_its_handle_raises_nothing(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a cycle the collector clears the handle's weak reference (which queues the entry's
+    release) before it runs ``__del__``: a ``release`` there raised TensorReleasedError for
+    the store's own handle."""
+    store = make_store(host_bytes="64MiB")
+    unraisable: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+    class Holder:
+        def __init__(self) -> None:
+            self.handle = store.put(torch.ones(1024))
+            self.me = self  # a cycle: only the collector frees it
+
+        def __del__(self) -> None:
+            store.release(self.handle)
+
+    Holder()
+    gc.collect()
+    assert unraisable == []
+    wait_for(lambda: store.stats().live_entries == 0)
+
+
+def test_an_async_store_first_used_on_two_loops_at_once_binds_to_one(disk_dir: Path) -> None:
+    """Both loops found no core and each built one: the loser's spill directory and I/O
+    threads, holding its tensor, were never closed."""
+    before = set(threading.enumerate())
+    store = tierstore.AsyncTieredStore(host_bytes=0, min_bytes=0, disk_dir=disk_dir)
+    barrier = threading.Barrier(2)
+    outcomes: dict[str, object] = {}
+
+    async def use(name: str) -> None:
+        barrier.wait()
+        try:
+            h = await store.put(torch.arange(1 << 18, dtype=torch.float32))
+            outcomes[name] = float((await store.get(h)).sum())
+        except WrongThreadError as err:
+            outcomes[name] = err
+
+    threads = [threading.Thread(target=asyncio.run, args=(use(n),)) for n in "AB"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    kinds = sorted(type(v).__name__ for v in outcomes.values())
+    assert kinds == ["WrongThreadError", "float"], outcomes
+    assert len(list(disk_dir.iterdir())) == 1
+    asyncio.run(store.close())
+    assert list(disk_dir.iterdir()) == []
+    wait_for(
+        lambda: not [t for t in set(threading.enumerate()) - before if t.name[:9] == "tierstore"]
+    )

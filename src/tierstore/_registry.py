@@ -4,8 +4,11 @@ Open stores are held until they close, so a store dropped without ``close()`` (a
 ``TieredStore`` that went out of scope, an ``AsyncTieredStore`` whose loop ended) is still
 closed properly at exit: its transfers end and its loop thread stops before the interpreter
 tears down (a loop thread still running torch code then can abort the process). Its entries
-are freed with their handles anyway; what stays is one idle loop thread, which a dropped,
-unclosed store kept before too. Spill directories are also tracked on their own until
+are freed with their handles anyway; what stays until exit is the store's loop thread, its
+I/O threads (8 by default), its lock file and its spill file at the size it grew to (the
+space of tensors freed stays reserved for the store's reuse). So close stores, or open them
+with ``with``: a notebook cell that makes a new store each run keeps every old one's threads
+and disk space until the kernel exits. Spill directories are also tracked on their own until
 removed, as a backstop for exit and for the SIGTERM handler.
 """
 

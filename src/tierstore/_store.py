@@ -86,6 +86,9 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         self._core: StoreCore | None = None
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
+        # Two loops' first calls at once each built a core: one was lost with its directory
+        # and I/O threads, which close() never reached.
+        self._binding = threading.Lock()
 
     def _bound(self) -> StoreCore:
         if self._closed:
@@ -93,9 +96,12 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         loop = asyncio.get_running_loop()
         core = self._core
         if core is None:
-            core = self._core = StoreCore(self.config, loop, threading.get_ident())
-            _registry.register(self)
-        elif core.loop is not loop:
+            with self._binding:
+                core = self._core
+                if core is None:
+                    core = self._core = StoreCore(self.config, loop, threading.get_ident())
+                    _registry.register(self)
+        if core.loop is not loop:
             raise WrongThreadError(
                 "this AsyncTieredStore belongs to the event loop it was opened on; use it "
                 "there, or use TieredStore, which any thread may call"

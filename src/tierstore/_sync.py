@@ -136,6 +136,12 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
                 "TieredStore was called from its own event-loop thread, which would deadlock; "
                 "call it from another thread, or use AsyncTieredStore inside coroutines"
             )
+        if core.lock.held_here():  # Note: [A call from inside the store]
+            raise WrongThreadError(
+                "TieredStore was called while this thread was inside it (from a __del__ the "
+                "garbage collector ran, or a signal handler), which would wait on itself; "
+                "drop the handle instead (its entry is released), or call from elsewhere"
+            )
         return core
 
     def _wait(self, fut: cf.Future[T], what: str) -> T:
@@ -218,13 +224,23 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
 
     def release(self, handle: TensorHandle) -> None:
         """Free the entry now (also happens when the last reference to the handle goes);
-        after :meth:`close`, which released everything, it does nothing.
+        after :meth:`close`, which released everything, it does nothing. From a finalizer
+        the collector runs inside the store or on its loop thread, it is queued and done
+        soon (Note: [A call from inside the store]).
 
         Raises:
             TypeError: ``handle`` is not a :class:`~tierstore.TensorHandle`.
             TensorReleasedError: another store's handle.
         """
         if self._closed:
+            return
+        core = self._core
+        if core is not None and (
+            # Note: [A call from inside the store]; a finalizer the collector runs on the
+            # loop thread is the same case, and a release needs no answer from the loop.
+            core.lock.held_here() or threading.get_ident() == core.loop_thread
+        ):
+            core.release_later(handle)
             return
         self._live().release(handle)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import threading
 from typing import TYPE_CHECKING, Literal
 
 from tierstore._state import TensorState, Tier
@@ -31,6 +30,7 @@ from tierstore.core._disk_tier import open_disk_tier
 from tierstore.core._entries import Entry, EntryTable
 from tierstore.core._handles import Handles
 from tierstore.core._handoff import HandOff
+from tierstore.core._lock import StoreLock
 from tierstore.core._prefetch import PENDING, PrefetchWalk, newest_first_within
 from tierstore.core._reads import read_now
 from tierstore.core._save_semaphore import SaveSemaphore
@@ -81,7 +81,7 @@ class StoreCore:
         self.config = config
         self.loop = loop
         self.loop_thread = loop_thread
-        self.lock = threading.Lock()
+        self.lock = StoreLock()  # Note: [A call from inside the store]
         self.closed = False
         self.warned_no_room = self.warned_copy = False
         self.table = EntryTable(self._spill_freed)
@@ -406,11 +406,27 @@ class StoreCore:
         check_handle(handle)
         with self.lock:
             self.drain_dropped()
-            if handle._released and handle._owner == self.handles.token:
+            if handle._owner == self.handles.token and (
+                handle._released or not self.handles.is_live(self.table.entries, handle)
+            ):
+                # Released already; or a finalizer's release of a handle the collector is
+                # freeing, whose weakref died first and queued its entry's release.
                 return
             e = self.handles.lookup(self.table.entries, handle)
             handle._released = True
             self._release(e)
+
+    def release_later(self, handle: TensorHandle) -> None:
+        """Release the handle's entry as a dropped handle's is, soon: for a call made while
+        this thread holds the lock (Note: [A call from inside the store]).
+
+        Raises:
+            TypeError: ``handle`` is not a :class:`TensorHandle`.
+        """
+        check_handle(handle)
+        if handle._owner == self.handles.token and not handle._released:
+            handle._released = True
+            self.handles.drop(handle.key)
 
     def _release(self, e: Entry) -> None:
         self.counters.releases += 1

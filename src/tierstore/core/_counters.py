@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 import time
 from typing import TYPE_CHECKING, Literal
 
@@ -15,6 +14,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from tierstore.core._entries import EntryTable
+    from tierstore.core._lock import StoreLock
 
 __all__ = ["Counters", "tier_stats"]
 
@@ -34,7 +34,7 @@ class Counters:
         self.skipped_bytes: collections.Counter[str] = collections.Counter()
 
     @contextlib.contextmanager
-    def waiting(self, kind: Literal["get", "put"], lock: threading.Lock) -> Iterator[None]:
+    def waiting(self, kind: Literal["get", "put"], lock: StoreLock) -> Iterator[None]:
         """Count the time the block takes as a ``get`` or ``put`` waiting (taking ``lock``
         to count it), also when the block raises."""
         t0 = time.perf_counter()

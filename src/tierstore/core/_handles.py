@@ -86,9 +86,18 @@ class Handles:
             raise TensorReleasedError(f"{handle!r} {why}")
         return e
 
+    def is_live(self, entries: dict[int, Entry], handle: TensorHandle) -> bool:
+        """Whether ``handle`` still names a live entry (:meth:`lookup` would return it)."""
+        e = entries.get(handle.key)
+        return e is not None and e.handle_ref is not None and e.handle_ref() is handle
+
     def _on_dead(self, ref: HandleRef) -> None:
         """Weakref callback of a handle (Note: [Release from a finalizer])."""
-        self.dropped.append(ref.key)
+        self.drop(ref.key)
+
+    def drop(self, key: int) -> None:
+        """Release ``key``'s entry soon, on the store's loop; takes no lock."""
+        self.dropped.append(key)
         if not self._scheduled:
             self._scheduled = True
             with contextlib.suppress(RuntimeError):  # the loop is closed: close() drained
