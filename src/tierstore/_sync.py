@@ -29,6 +29,7 @@ from tierstore._process_bound import ProcessBound
 from tierstore._store import resolve_config
 from tierstore.config import check_timeout
 from tierstore.core import StoreCore
+from tierstore.core._lock import held_here
 from tierstore.core._steps import check_step_number, finish_step
 from tierstore.errors import (
     StoreClosedError,
@@ -136,7 +137,7 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
                 "TieredStore was called from its own event-loop thread, which would deadlock; "
                 "call it from another thread, or use AsyncTieredStore inside coroutines"
             )
-        if core.lock.held_here():  # Note: [A call from inside the store]
+        if held_here(core.lock):  # Note: [A call from inside the store]
             raise WrongThreadError(
                 "TieredStore was called while this thread was inside it (from a __del__ the "
                 "garbage collector ran, or a signal handler), which would wait on itself; "
@@ -238,7 +239,7 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         if core is not None and (
             # Note: [A call from inside the store]; a finalizer the collector runs on the
             # loop thread is the same case, and a release needs no answer from the loop.
-            core.lock.held_here() or threading.get_ident() == core.loop_thread
+            held_here(core.lock) or threading.get_ident() == core.loop_thread
         ):
             core.release_later(handle)
             return
