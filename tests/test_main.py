@@ -218,3 +218,21 @@ def test_info_warns_of_a_spill_directory_in_ram(
     assert f"warning: disk_dir/TIERSTORE_DISK_DIR '{shm}' is on tmpfs" in done.stdout
     facts = json.loads(info("--json", env={"TIERSTORE_DISK_DIR": str(shm)}).stdout)
     assert facts["disk_dirs"][0]["in_ram"] == "tmpfs"
+
+
+def test_info_into_a_pipe_closed_early_exits_quietly(tmp_path: Path) -> None:
+    """``tierstore info | head -1``: writing the report into a closed pipe raised
+    BrokenPipeError with a traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
+    env.update({"PYTHONPATH": str(SRC), "TIERSTORE_DISK_DIR": str(tmp_path)})
+    with subprocess.Popen(
+        [sys.executable, "-m", "tierstore", "info"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # before the report is written: as head does, only sooner
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 0, err
+    assert "Traceback" not in err, err

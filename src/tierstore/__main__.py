@@ -274,10 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"configuration error: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(facts, indent=2))
-    else:
-        _print(facts)
+    try:
+        if args.json:
+            print(json.dumps(facts, indent=2))
+        else:
+            _print(facts)
+        sys.stdout.flush()
+    except BrokenPipeError:  # ``tierstore info | head``: the reader has what it wanted
+        # The interpreter flushes stdout again at exit, and would report the pipe then.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     engine = facts["engine"]
     # A store would refuse to open there: the report printed, the exit says so too.
     return 2 if isinstance(engine, dict) and "error" in engine else 0
