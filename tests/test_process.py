@@ -258,6 +258,38 @@ def test_a_fork_while_another_thread_holds_a_store_lock_leaves_both_sides_workin
     assert list(disk_dir.iterdir()) == []
 
 
+def test_a_fork_while_another_thread_binds_an_async_store_leaves_the_child_working(
+    disk_dir: Path,
+) -> None:
+    """A fork while a thread held the lock an AsyncTieredStore binds under: the child's first
+    call waited for ever on a lock no thread of its own held."""
+    out = _fork_script(
+        disk_dir,
+        """
+        import asyncio
+        from tierstore import _store
+        store = tierstore.AsyncTieredStore()
+
+        async def use():
+            t = torch.arange(3.0)
+            return torch.equal(await store.get(await store.put(t)), t)
+
+        def child():
+            try:
+                ok = asyncio.run(use())
+                asyncio.run(store.close())
+                os._exit(0 if ok else 3)
+            except BaseException as exc:
+                print("child failed", repr(exc), flush=True)
+                os._exit(2)
+
+        print("child", fork_while_held(_store._binding))
+        """,
+    )
+    assert "child 0" in out, out
+    assert list(disk_dir.iterdir()) == []
+
+
 def test_one_thing_that_fails_to_reset_after_fork_leaves_the_stores_working(
     disk_dir: Path,
 ) -> None:

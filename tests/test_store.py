@@ -1493,16 +1493,22 @@ def test_a_call_from_inside_the_store_never_waits_on_itself(make_store: MakeStor
         assert store._core is not None
         with store._core.lock:
             store.release(h)
-            try:
-                store.get(kept)
-            except tierstore.WrongThreadError as err:
-                outcome.append(err)
+            for call in (lambda: store.get(kept), store.close):
+                try:
+                    call()
+                except tierstore.WrongThreadError as err:
+                    outcome.append(err)
 
     thread = threading.Thread(target=inside, daemon=True)
     thread.start()
     thread.join(10)
     assert not thread.is_alive(), "a call from inside the store waited on itself"
-    assert len(outcome) == 1 and "inside it" in str(outcome[0])
+    assert len(outcome) == 2 and "inside it" in str(outcome[0]), outcome
+    assert "inside the store" in str(outcome[1]) and not store.closed
+    others = make_store(host_bytes="64MiB").put(torch.ones(1024))
+    assert store._core is not None
+    with pytest.raises(TensorReleasedError, match="not in this store"), store._core.lock:
+        store.release(others)  # queued, and still refused
     wait_for(lambda: store.stats().live_entries == 1)
     assert store.state_of(h) is TensorState.RELEASED
     assert torch.equal(store.get(kept), torch.arange(1024.0))

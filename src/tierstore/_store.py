@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierstore import _registry
+from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore._process_bound import ProcessBound
 from tierstore.config import ALIASES, StoreConfig, check_timeout, unknown_setting
 from tierstore.core import StoreCore
@@ -53,6 +54,12 @@ def resolve_config(
     return config.replace(**overrides) if overrides else config
 
 
+_binding = ForkSafeLock()
+# Held while an AsyncTieredStore binds to its first loop: two loops' first calls at once each
+# built a core, and one was lost with its directory and I/O threads, which close() never
+# reached. Fork-safe: the child of a fork made mid-bind got the lock held by no thread.
+
+
 class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
     """The tiered store as coroutines, bound to the event loop it is first used on.
 
@@ -86,9 +93,6 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         self._core: StoreCore | None = None
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
-        # Two loops' first calls at once each built a core: one was lost with its directory
-        # and I/O threads, which close() never reached.
-        self._binding = threading.Lock()
 
     def _bound(self) -> StoreCore:
         if self._closed:
@@ -96,7 +100,7 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         loop = asyncio.get_running_loop()
         core = self._core
         if core is None:
-            with self._binding:
+            with _binding:
                 core = self._core
                 if core is None:
                     core = self._core = StoreCore(self.config, loop, threading.get_ident())

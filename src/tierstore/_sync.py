@@ -332,7 +332,9 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         close while another thread's runs waits for that one to end.
 
         Raises:
-            WrongThreadError: called from the store's own loop thread (the store stays open).
+            WrongThreadError: called from the store's own loop thread, or from a finalizer or
+                signal handler that interrupted this thread inside the store (the store stays
+                open).
             StoreTimeoutError: the transfers neither ended nor were cancelled within twice
                 the store's timeout (60 s without one) and 5 s; the directory is removed at
                 exit.
@@ -344,6 +346,13 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
                 # Before the store is marked closed: marked and left running, no later close
                 # (nor the exit hook's) would have stopped its loop.
                 raise WrongThreadError("TieredStore.close() called from its own loop thread")
+            if core is not None and held_here(core.lock):  # Note: [A call from inside the store]
+                raise WrongThreadError(
+                    "TieredStore.close() called while this thread was inside the store (from a "
+                    "__del__ the garbage collector ran, or a signal handler); it would close "
+                    "the store under the call it interrupted and wait on itself. The store "
+                    "stays open: close it from elsewhere"
+                )
             closing = self._closed
             self._closed = True
         if closing:

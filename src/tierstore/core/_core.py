@@ -36,7 +36,7 @@ from tierstore.core._reads import read_now
 from tierstore.core._save_semaphore import SaveSemaphore
 from tierstore.core._steps import Steps
 from tierstore.core._transfers import Transfers
-from tierstore.errors import StoreClosedError, TierFullError
+from tierstore.errors import StoreClosedError, TensorReleasedError, TierFullError
 from tierstore.tiers._device import current_stream, hand_over, ready_event
 from tierstore.tiers._pinned import PinnedPool
 from tierstore.tiers._readpool import SWEEP_KEEP_BYTES, ReadPool
@@ -422,9 +422,15 @@ class StoreCore:
 
         Raises:
             TypeError: ``handle`` is not a :class:`TensorHandle`.
+            TensorReleasedError: the handle belongs to another store.
         """
         check_handle(handle)
-        if handle._owner == self.handles.token and not handle._released:
+        if handle._owner != self.handles.token:
+            raise TensorReleasedError(
+                f"{handle!r} is not in this store (another store's handle, or one made "
+                "before a fork)"
+            )
+        if not handle._released:
             handle._released = True
             self.handles.drop(handle.key)
 
