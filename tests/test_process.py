@@ -261,8 +261,9 @@ def test_a_fork_while_another_thread_holds_a_store_lock_leaves_both_sides_workin
 def test_a_fork_while_another_thread_binds_an_async_store_leaves_the_child_working(
     disk_dir: Path,
 ) -> None:
-    """A fork while a thread held the lock an AsyncTieredStore binds under: the child's first
-    call waited for ever on a lock no thread of its own held."""
+    """A fork while another thread made an AsyncTieredStore's core, under the lock a first
+    call binds under: the child's first call must not wait on a lock no thread of its own
+    holds (Note: [Binding to a loop])."""
     out = _fork_script(
         disk_dir,
         """
@@ -283,7 +284,21 @@ def test_a_fork_while_another_thread_binds_an_async_store_leaves_the_child_worki
                 print("child failed", repr(exc), flush=True)
                 os._exit(2)
 
-        print("child", fork_while_held(_store._binding))
+        real, making = _store.StoreCore, threading.Event()
+
+        def slow(*args, **kwargs):
+            making.set()
+            time.sleep(0.5)
+            return real(*args, **kwargs)
+
+        _store.StoreCore = slow
+        binder = threading.Thread(target=asyncio.run, args=(store.open(),))
+        binder.start()
+        making.wait()
+        _store.StoreCore = real
+        print("child", fork_and_wait())
+        binder.join()
+        asyncio.run(store.close())
         """,
     )
     assert "child 0" in out, out

@@ -1567,3 +1567,48 @@ def test_an_async_store_first_used_on_two_loops_at_once_binds_to_one(disk_dir: P
     wait_for(
         lambda: not [t for t in set(threading.enumerate()) - before if t.name[:9] == "tierstore"]
     )
+
+
+def test_an_async_store_called_from_inside_itself_never_enters_twice(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finalizer the collector runs on the loop thread inside the store (or while a first
+    call makes the core) calling the store: with the lock reentrant it changed the table
+    under the interrupted call, and while binding it waited on itself. Now a release is
+    queued and other calls raise (Note: [A call from inside the store])."""
+    from tierstore import _store
+
+    store = tierstore.AsyncTieredStore(host_bytes="64MiB", disk_dir=disk_dir)
+    real, seen = _store.StoreCore, []
+
+    def making(*args: Any, **kwargs: Any) -> Any:
+        try:  # what a finalizer run while the core is made would do
+            store._bound()
+        except WrongThreadError as err:
+            seen.append(err)
+        return real(*args, **kwargs)
+
+    async def use() -> None:
+        monkeypatch.setattr(_store, "StoreCore", making)
+        h = await store.put(torch.ones(1024))
+        monkeypatch.setattr(_store, "StoreCore", real)
+        kept = await store.put(torch.arange(1024.0))
+        assert store._core is not None
+        with store._core.lock:
+            await store.release(h)
+            with pytest.raises(WrongThreadError, match="inside it"):
+                await store.get(kept)
+        for _ in range(1000):  # the queued release is drained on this loop
+            if (await store.stats()).live_entries == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert await store.state_of(h) is TensorState.RELEASED
+        assert torch.equal(await store.get(kept), torch.arange(1024.0))
+        await store.close()
+
+    done = threading.Thread(target=asyncio.run, args=(use(),), daemon=True)
+    done.start()
+    done.join(30)
+    assert not done.is_alive(), "a call from inside the store waited on itself"
+    assert len(seen) == 1 and "opening it" in str(seen[0])
+    assert list(disk_dir.iterdir()) == []

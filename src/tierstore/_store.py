@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -12,10 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierstore import _registry
-from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore._process_bound import ProcessBound
 from tierstore.config import ALIASES, StoreConfig, check_timeout, unknown_setting
 from tierstore.core import StoreCore
+from tierstore.core._lock import held_here
 from tierstore.core._steps import check_step_number, finish_step
 from tierstore.errors import StoreClosedError, TierFullError, WrongThreadError
 
@@ -54,12 +55,6 @@ def resolve_config(
     return config.replace(**overrides) if overrides else config
 
 
-_binding = ForkSafeLock()
-# Held while an AsyncTieredStore binds to its first loop: two loops' first calls at once each
-# built a core, and one was lost with its directory and I/O threads, which close() never
-# reached. Fork-safe: the child of a fork made mid-bind got the lock held by no thread.
-
-
 class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
     """The tiered store as coroutines, bound to the event loop it is first used on.
 
@@ -93,6 +88,9 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         self._core: StoreCore | None = None
         self._closed = False
         self._closing: asyncio.Task[None] | None = None
+        # Note: [Binding to a loop]
+        self._binding = threading.Lock()
+        self._binder: tuple[int, int] | None = None
 
     def _bound(self) -> StoreCore:
         if self._closed:
@@ -100,17 +98,55 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         loop = asyncio.get_running_loop()
         core = self._core
         if core is None:
-            with _binding:
-                core = self._core
-                if core is None:
-                    core = self._core = StoreCore(self.config, loop, threading.get_ident())
-                    _registry.register(self)
+            core = self._bind(loop)
+        if held_here(core.lock):  # Note: [A call from inside the store]
+            raise WrongThreadError(
+                "AsyncTieredStore was called while this thread was inside it (from a __del__ "
+                "the garbage collector ran, or a signal handler), which would enter it twice; "
+                "drop the handle instead (its entry is released), or call from elsewhere"
+            )
         if core.loop is not loop:
             raise WrongThreadError(
                 "this AsyncTieredStore belongs to the event loop it was opened on; use it "
                 "there, or use TieredStore, which any thread may call"
             )
         return core
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> StoreCore:
+        """Make the core, bound to ``loop``, unless another loop's first call just did.
+
+        Note: [Binding to a loop]
+            Two loops' first calls at once each built a core, and one was lost with its
+            directory and I/O threads, which ``close()`` never reached: the core is made
+            under a lock of this store's. Making it allocates, so the collector can run a
+            finalizer there that calls this store again: that raises instead of waiting on
+            the lock its own thread holds (a lock shared by every store hung any first call
+            made so). A fork while another thread holds the lock leaves it held in the
+            child by no thread: the child, seeing the binder was its parent, takes a new one.
+
+        Raises:
+            WrongThreadError: called again from this thread while it makes the core.
+        """
+        me = (os.getpid(), threading.get_ident())
+        binder = self._binder
+        if binder == me:
+            raise WrongThreadError(
+                "AsyncTieredStore was called while this thread was opening it (from a __del__ "
+                "the garbage collector ran, or a signal handler); call it from elsewhere"
+            )
+        if binder is not None and binder[0] != me[0]:
+            self._binding = threading.Lock()  # forked mid-bind: the binder is the parent's
+        with self._binding:
+            core = self._core
+            if core is not None:
+                return core
+            self._binder = me
+            try:
+                core = self._core = StoreCore(self.config, loop, me[1])
+            finally:
+                self._binder = None
+            _registry.register(self)
+            return core
 
     async def open(self) -> AsyncTieredStore:
         """Create the spill directory and bind to the running loop (done by the first call)."""
@@ -165,6 +201,10 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         :meth:`close`, which released everything)."""
         if self._closed:
             return
+        core = self._core
+        if core is not None and held_here(core.lock):  # Note: [A call from inside the store]
+            core.release_later(handle)
+            return
         self._bound().release(handle)
 
     async def tier_of(self, handle: TensorHandle) -> Tier:
@@ -191,8 +231,10 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
 
     def note_skipped(self, reason: str, nbytes: int) -> None:
         """Count a tensor an adapter chose not to store (shows in ``stats().skipped``)."""
-        if self._core is not None:
-            self._core.note_skipped(reason, nbytes)
+        core = self._core
+        # Only counted: from inside the store (Note: [A call from inside the store]) it is lost.
+        if core is not None and not held_here(core.lock):
+            core.note_skipped(reason, nbytes)
 
     async def close(self) -> None:
         """Finish or cancel transfers, delete the spill directory; idempotent.
