@@ -1598,6 +1598,9 @@ def test_an_async_store_called_from_inside_itself_never_enters_twice(
             await store.release(h)
             with pytest.raises(WrongThreadError, match="inside it"):
                 await store.get(kept)
+            with pytest.raises(WrongThreadError, match="inside the store"):
+                await store.close()
+        assert not store.closed
         for _ in range(1000):  # the queued release is drained on this loop
             if (await store.stats()).live_entries == 1:
                 break

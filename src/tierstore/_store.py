@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierstore import _registry
+from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore._process_bound import ProcessBound
 from tierstore.config import ALIASES, StoreConfig, check_timeout, unknown_setting
 from tierstore.core import StoreCore
@@ -55,6 +56,11 @@ def resolve_config(
     return config.replace(**overrides) if overrides else config
 
 
+_renewing = ForkSafeLock()
+"""Held only while a forked child swaps in a store's own binding lock (Note: [Binding to a
+loop]): never while a core is made."""
+
+
 class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
     """The tiered store as coroutines, bound to the event loop it is first used on.
 
@@ -90,6 +96,7 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         self._closing: asyncio.Task[None] | None = None
         # Note: [Binding to a loop]
         self._binding = threading.Lock()
+        self._binding_pid = os.getpid()
         self._binder: tuple[int, int] | None = None
 
     def _bound(self) -> StoreCore:
@@ -122,20 +129,23 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
             finalizer there that calls this store again: that raises instead of waiting on
             the lock its own thread holds (a lock shared by every store hung any first call
             made so). A fork while another thread holds the lock leaves it held in the
-            child by no thread: the child, seeing the binder was its parent, takes a new one.
+            child by no thread: each process takes a lock of its own at its first bind,
+            swapped in under a lock shared by every store but held only for the swap.
 
         Raises:
             WrongThreadError: called again from this thread while it makes the core.
         """
         me = (os.getpid(), threading.get_ident())
-        binder = self._binder
-        if binder == me:
+        if self._binding_pid != me[0]:  # the first bind in a forked child
+            with _renewing:
+                if self._binding_pid != me[0]:
+                    self._binding, self._binder = threading.Lock(), None
+                    self._binding_pid = me[0]
+        if self._binder == me:
             raise WrongThreadError(
                 "AsyncTieredStore was called while this thread was opening it (from a __del__ "
                 "the garbage collector ran, or a signal handler); call it from elsewhere"
             )
-        if binder is not None and binder[0] != me[0]:
-            self._binding = threading.Lock()  # forked mid-bind: the binder is the parent's
         with self._binding:
             core = self._core
             if core is not None:
@@ -248,7 +258,8 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
 
         Raises:
             WrongThreadError: called on another event loop than the one the store was opened
-                on while that loop is still open (nothing is closed then).
+                on while that loop is still open, or from inside the store (a finalizer);
+                nothing is closed then.
         """
         core = self._core
         running = asyncio.get_running_loop()
@@ -256,6 +267,12 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
             raise WrongThreadError(
                 "this AsyncTieredStore belongs to the event loop it was opened on; close it "
                 "there (at exit, the interpreter removes its files if it is never closed)"
+            )
+        if core is not None and held_here(core.lock):  # Note: [A call from inside the store]
+            raise WrongThreadError(
+                "AsyncTieredStore.close() called while this thread was inside the store (from "
+                "a __del__ the garbage collector ran, or a signal handler); the store stays "
+                "open: close it from elsewhere"
             )
         self._closed = True
         if core is None:
