@@ -295,19 +295,18 @@ class _BatchBreaks(FaultyEngine):
 
     how: str | None = None
 
-    async def write_many(self, requests: Any) -> Any:
+    async def _broken(self, call: Callable[[Any], Any], requests: Any) -> Any:
         how, self.how = self.how, None
         if how == "raises":
-            raise OSError(errno.EIO, "write_many itself failed")
-        outcomes = await super().write_many(requests)
+            raise OSError(errno.EIO, f"{call.__name__} itself failed")
+        outcomes = await call(requests)
         return outcomes[:-1] if how == "short" else outcomes
 
+    async def write_many(self, requests: Any) -> Any:
+        return await self._broken(super().write_many, requests)
+
     async def read_many(self, requests: Any) -> Any:
-        how, self.how = self.how, None
-        if how == "raises":
-            raise OSError(errno.EIO, "read_many itself failed")
-        outcomes = await super().read_many(requests)
-        return outcomes[:-1] if how == "short" else outcomes
+        return await self._broken(super().read_many, requests)
 
 
 @pytest.mark.parametrize("how", ["raises", "short"])
