@@ -17,7 +17,7 @@ from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore._process_bound import ProcessBound
 from tierstore.config import ALIASES, StoreConfig, check_timeout, unknown_setting
 from tierstore.core import StoreCore
-from tierstore.core._lock import held_here
+from tierstore.core._lock import held_here, refuse_inside
 from tierstore.core._steps import check_step_number, finish_step
 from tierstore.errors import StoreClosedError, TierFullError, WrongThreadError
 
@@ -106,12 +106,7 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         core = self._core
         if core is None:
             core = self._bind(loop)
-        if held_here(core.lock):  # Note: [A call from inside the store]
-            raise WrongThreadError(
-                "AsyncTieredStore was called while this thread was inside it (from a __del__ "
-                "the garbage collector ran, or a signal handler), which would enter it twice; "
-                "drop the handle instead (its entry is released), or call from elsewhere"
-            )
+        refuse_inside(core.lock, "AsyncTieredStore")
         if core.loop is not loop:
             raise WrongThreadError(
                 "this AsyncTieredStore belongs to the event loop it was opened on; use it "
@@ -268,12 +263,8 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
                 "this AsyncTieredStore belongs to the event loop it was opened on; close it "
                 "there (at exit, the interpreter removes its files if it is never closed)"
             )
-        if core is not None and held_here(core.lock):  # Note: [A call from inside the store]
-            raise WrongThreadError(
-                "AsyncTieredStore.close() called while this thread was inside the store (from "
-                "a __del__ the garbage collector ran, or a signal handler); the store stays "
-                "open: close it from elsewhere"
-            )
+        if core is not None:
+            refuse_inside(core.lock, "AsyncTieredStore.close()")
         self._closed = True
         if core is None:
             _registry.unregister(self)

@@ -29,7 +29,7 @@ from tierstore._process_bound import ProcessBound
 from tierstore._store import resolve_config
 from tierstore.config import check_timeout
 from tierstore.core import StoreCore
-from tierstore.core._lock import held_here
+from tierstore.core._lock import held_here, refuse_inside
 from tierstore.core._steps import check_step_number, finish_step
 from tierstore.errors import (
     StoreClosedError,
@@ -137,12 +137,7 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
                 "TieredStore was called from its own event-loop thread, which would deadlock; "
                 "call it from another thread, or use AsyncTieredStore inside coroutines"
             )
-        if held_here(core.lock):  # Note: [A call from inside the store]
-            raise WrongThreadError(
-                "TieredStore was called while this thread was inside it (from a __del__ the "
-                "garbage collector ran, or a signal handler), which would wait on itself; "
-                "drop the handle instead (its entry is released), or call from elsewhere"
-            )
+        refuse_inside(core.lock, "TieredStore")
         return core
 
     def _wait(self, fut: cf.Future[T], what: str) -> T:
@@ -346,13 +341,8 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
                 # Before the store is marked closed: marked and left running, no later close
                 # (nor the exit hook's) would have stopped its loop.
                 raise WrongThreadError("TieredStore.close() called from its own loop thread")
-            if core is not None and held_here(core.lock):  # Note: [A call from inside the store]
-                raise WrongThreadError(
-                    "TieredStore.close() called while this thread was inside the store (from a "
-                    "__del__ the garbage collector ran, or a signal handler); it would close "
-                    "the store under the call it interrupted and wait on itself. The store "
-                    "stays open: close it from elsewhere"
-                )
+            if core is not None:
+                refuse_inside(core.lock, "TieredStore.close()")
             closing = self._closed
             self._closed = True
         if closing:

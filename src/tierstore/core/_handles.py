@@ -77,14 +77,13 @@ class Handles:
             TensorReleasedError: released, or another store's handle.
         """
         check_handle(handle)
-        e = entries.get(handle.key)
-        if e is None or e.handle_ref is None or e.handle_ref() is not handle:
+        if not self.is_live(entries, handle):
             if handle._owner != self.token:
                 why = "is not in this store (another store's handle, or one made before a fork)"
             else:
                 why = "was released"
             raise TensorReleasedError(f"{handle!r} {why}")
-        return e
+        return entries[handle.key]
 
     def is_live(self, entries: dict[int, Entry], handle: TensorHandle) -> bool:
         """Whether ``handle`` still names a live entry (:meth:`lookup` would return it)."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["StoreLock", "held_here"]
+from tierstore.errors import WrongThreadError
+
+__all__ = ["StoreLock", "held_here", "refuse_inside"]
 
 StoreLock = threading.RLock
 """The store's lock (Note: [A call from inside the store]). Reentrant only so that a thread
@@ -27,3 +29,18 @@ def held_here(lock: threading.RLock) -> bool:
         asks, in C.
     """
     return lock._is_owned()  # type: ignore[attr-defined,no-any-return]
+
+
+def refuse_inside(lock: threading.RLock, what: str) -> None:
+    """Raise if the calling thread holds ``lock`` (Note: [A call from inside the store]).
+
+    Raises:
+        WrongThreadError: it does; ``what`` names the call refused.
+    """
+    if held_here(lock):
+        raise WrongThreadError(
+            f"{what} was called while this thread was inside it (a __del__ the garbage "
+            "collector ran, or a signal handler, interrupted a call inside the store), which "
+            "would enter it twice; the store is left as it is: drop a handle to release it, "
+            "or call from elsewhere"
+        )
