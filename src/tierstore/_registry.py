@@ -1,15 +1,13 @@
 """Every open store and spill directory: closed or removed at exit and SIGTERM, reset after fork.
 
-Open stores are held until they close, so a store dropped without ``close()`` (a
-``TieredStore`` that went out of scope, an ``AsyncTieredStore`` whose loop ended) is still
-closed properly at exit: its transfers end and its loop thread stops before the interpreter
-tears down (a loop thread still running torch code then can abort the process). Its entries
-are freed with their handles anyway; what stays until exit is the store's loop thread, its
-I/O threads (8 by default), its lock file and its spill file at the size it grew to (the
-space of tensors freed stays reserved for the store's reuse). So close stores, or open them
-with ``with``: a notebook cell that makes a new store each run keeps every old one's threads
-and disk space until the kernel exits. Spill directories are also tracked on their own until
-removed, as a backstop for exit and for the SIGTERM handler.
+An ``AsyncTieredStore`` is held until it closes, so one dropped without ``close()`` (its
+loop ended) is still closed properly at exit: its transfers end before the interpreter tears
+down. Until then it keeps its I/O threads (8 by default), its lock file and its spill file at
+the size it grew to. A ``TieredStore`` is held weakly: one dropped without ``close()`` (a
+notebook cell that makes a new store each run) closes on its own loop thread as soon as it
+is collected, and the exit hook waits for such closes still under way, since a loop thread
+still running torch code at teardown can abort the process. Spill directories are also
+tracked on their own until removed, as a backstop for exit and for the SIGTERM handler.
 """
 
 from __future__ import annotations
@@ -21,6 +19,8 @@ import logging
 import os
 import signal
 import threading
+import time
+import weakref
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -42,6 +42,9 @@ class _Removable(Protocol):
 log = logging.getLogger("tierstore")
 
 _open: set[_Closable] = set()
+_open_weakly: weakref.WeakSet[_Closable] = weakref.WeakSet()
+# Loop threads of dropped stores, closing on their own; joined at exit.
+_closing: set[threading.Thread] = set()
 _dirs: set[_Removable] = set()
 # Reentrant: the SIGTERM handler runs on the main thread, possibly between the acquire and the
 # release of a track() it interrupted.
@@ -49,15 +52,29 @@ _dirs_lock = threading.RLock()
 _sigterm_checked = False
 
 
-def register(store: _Closable) -> None:
-    """Close ``store`` at exit and reset it in a forked child, until :func:`unregister`."""
-    _open.add(store)
+def register(store: _Closable, *, weakly: bool = False) -> None:
+    """Close ``store`` at exit and reset it in a forked child, until :func:`unregister`.
+
+    ``weakly``: without keeping it alive; a store registered so closes itself when dropped,
+    and announces its loop thread with :func:`closing`.
+    """
+    (_open_weakly if weakly else _open).add(store)
     _install_sigterm_cleanup()
 
 
 def unregister(store: _Closable) -> None:
     """``store`` closed: nothing left to do for it at exit."""
     _open.discard(store)
+    _open_weakly.discard(store)
+
+
+def closing(thread: threading.Thread) -> None:
+    """A dropped store's loop thread, closing it: waited for at exit (30 s at most for all)."""
+    # copy(): a C-level copy, which no finalizer can interrupt to change the set.
+    for done in _closing.copy():
+        if not done.is_alive():
+            _closing.discard(done)
+    _closing.add(thread)
 
 
 def track(directory: _Removable) -> None:
@@ -77,10 +94,14 @@ def _tracked() -> list[_Removable]:
 
 
 def _close_all() -> None:
-    for store in list(_open):
+    for store in [*_open.copy(), *_open_weakly]:
         with contextlib.suppress(Exception):
             store._close_at_exit()
     _open.clear()
+    deadline = time.monotonic() + 30  # for them all, not each
+    for thread in _closing.copy():
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    _closing.clear()
     # Directories of stores that were dropped without close().
     for d in _tracked():
         with contextlib.suppress(Exception):
@@ -99,7 +120,8 @@ def _after_fork_in_child() -> None:
             d.forget()
         except Exception:
             log.exception("tierstore: after fork, could not forget the parent's %r", d)
-    for store in list(_open):
+    _closing.clear()  # those threads were the parent's
+    for store in [*_open.copy(), *_open_weakly]:
         try:
             store._reset_after_fork()
         except Exception:

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
+import logging
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -97,8 +100,11 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         self._close_done = threading.Event()
         self._core: StoreCore | None = None
         self._thread: threading.Thread | None = None
+        self._when_dropped: (
+            weakref.finalize[[StoreCore, threading.Thread, float], TieredStore] | None
+        ) = None
         self._start()
-        _registry.register(self)
+        _registry.register(self, weakly=True)
 
     # ------------------------------------------------------------------ loop thread
 
@@ -125,6 +131,10 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
             thread.join()
             raise
         self._thread = thread
+        self._when_dropped = weakref.finalize(
+            self, _close_dropped, self._core, thread, self._close_timeout
+        )
+        self._when_dropped.atexit = False  # the registry's exit hook closes it
 
     def _live(self) -> StoreCore:
         core = self._core
@@ -154,11 +164,13 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
 
     # ------------------------------------------------------------------ operations
 
-    def put(self, t: torch.Tensor) -> TensorHandle:
+    def put(self, t: torch.Tensor, *, min_bytes: int | None = None) -> TensorHandle:
         """Store ``t`` and return a handle at once; wait only when the save semaphore is full.
 
         The store keeps ``t`` (or a copy) until the handle is released; do not modify ``t`` in
-        place afterwards. Tensors smaller than ``min_bytes`` stay where they are.
+        place afterwards. Tensors smaller than ``min_bytes`` stay where they are: the
+        store's ``min_bytes`` (``TIERSTORE_MIN_BYTES``, 1 MiB by default) unless this put
+        passes its own (the adapters pass theirs).
 
         Raises:
             UnsupportedTensorError: not a plain strided CPU or CUDA tensor.
@@ -166,10 +178,11 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
             StoreClosedError: the store is closed.
             StoreTimeoutError: the save semaphore stayed full longer than ``timeout`` (the
                 tensor is stored; its handle is lost with the exception, which releases it).
+            ValueError: ``min_bytes`` is not a non-negative integer or None.
         """
         core = self._live()
         try:
-            handle, waiter = core.put_now(t)
+            handle, waiter = core.put_now(t, min_bytes)
         except TierFullError:
             del t  # Note: [A failed host copy keeps nothing]
             raise
@@ -349,6 +362,8 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
             # "close() returned" means the files are gone: wait for the close under way.
             self._close_done.wait(timeout=wait + 10)
             return
+        if self._when_dropped is not None:
+            self._when_dropped.detach()
         if core is None or thread is None:
             self._close_done.set()
             return
@@ -394,6 +409,8 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         #     not control, and zarr's, which restarts its event loop, may not have run yet
         #     (a store on the zarr engine started here hung the child).
         core, self._core, self._thread = self._core, None, None
+        if self._when_dropped is not None:
+            self._when_dropped.detach()  # the parent's loop, which the child does not have
         self._start_lock = threading.Lock()
         self._close_done = threading.Event()
         if self._closed:
@@ -414,6 +431,39 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         return f"TieredStore({state}, dirs={[str(p) for p in self.spill_dirs]})"
 
 
+def _close_dropped(core: StoreCore, thread: threading.Thread, timeout: float) -> None:
+    """Close the store of ``core``, dropped without ``close()``, on its own loop thread.
+
+    Note: [A dropped store closes]
+        A ``TieredStore`` that goes out of scope unclosed (a notebook cell run again) would
+        otherwise keep its loop thread, its I/O threads and its spill file until exit. The
+        collector runs this finalizer wherever it frees the store: on any thread, maybe on
+        the store's own loop or inside its lock. So it waits for nothing and touches no
+        state: it only asks the loop to close the store as a callback of its own, and to stop
+        once that ends. Entries are gone already: no handle keeps the store alive, but every
+        handle of this store is now a released one. The exit hook joins a close still under
+        way.
+    """
+    loop = core.loop
+
+    def begin() -> None:
+        if not core.begin_close():
+            loop.stop()
+            return
+        closed = loop.create_task(core.finish_close(timeout))
+        closed.add_done_callback(end)
+
+    def end(closed: asyncio.Task[None]) -> None:
+        if not closed.cancelled() and (err := closed.exception()) is not None:
+            log.warning("tierstore: closing a store dropped without close() failed: %r", err)
+        loop.stop()
+
+    _registry.closing(thread)
+    with contextlib.suppress(RuntimeError):  # its loop is closed already
+        loop.call_soon_threadsafe(begin)
+
+
+log = logging.getLogger("tierstore")
 _default: TieredStore | None = None
 # default_store() holds it while a store starts: a fork from another thread then.
 _default_lock = ForkSafeLock()
