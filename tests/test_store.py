@@ -461,6 +461,23 @@ def test_a_contiguous_tensor_with_odd_strides_on_size_one_dims_spills(
     assert _same_bits(store.get(h), t)
 
 
+def test_a_puts_own_min_bytes_wins_over_the_stores(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0, min_bytes="1MiB")
+    small = torch.randn(1 << 14)  # 64 KiB
+    kept = store.put(small)
+    moved = store.put(small.clone(), min_bytes=1024)
+    big = torch.randn(1 << 19)  # 2 MiB: over the store's, but kept below this put's
+    held = store.put(big, min_bytes=4 << 20)
+    wait_for(lambda: settled(store))
+    assert store.tier_of(kept) is Tier.DEVICE  # where it was put, never moved
+    assert store.tier_of(moved) is Tier.DISK
+    assert store.tier_of(held) is Tier.DEVICE
+    assert _same_bits(store.get(moved), small) and _same_bits(store.get(held), big)
+    for bad in (-1, True, 1.5, "1KiB"):
+        with pytest.raises(ValueError, match="min_bytes"):
+            store.put(small, min_bytes=bad)  # type: ignore[arg-type]
+
+
 def test_tier_full_raises_and_drops_nothing(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=2 * MiB, disk_bytes=0)
     a = store.put(torch.ones(MiB // 4))

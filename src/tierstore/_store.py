@@ -169,11 +169,11 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
     ) -> None:
         await self.close()
 
-    async def put(self, t: torch.Tensor) -> TensorHandle:
+    async def put(self, t: torch.Tensor, *, min_bytes: int | None = None) -> TensorHandle:
         """Store ``t``; see :meth:`tierstore.TieredStore.put`."""
         core = self._bound()
         try:
-            handle, waiter = core.put_now(t)
+            handle, waiter = core.put_now(t, min_bytes)
         except TierFullError:
             del t  # Note: [A failed host copy keeps nothing]
             raise
@@ -302,10 +302,12 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
             core.disk_tier.remove()
 
     def _reset_after_fork(self) -> None:
+        # Note: [A fresh store after fork] (in _sync.py): the child's first call binds a new
+        # core to the child's loop. A store closed, or closing, in the parent stays closed.
         if self._core is not None:
             self._core.forget_after_fork()
         self._core = None
-        self._closed = True
+        self._closing = None
 
 
 def _finished(task: asyncio.Task[None]) -> bool:

@@ -116,6 +116,42 @@ def test_forward_mode_ad_zeros_stay_and_the_disk_tier_goes_on(
     assert stats.bytes_to_disk == stats.bytes_put > 0
 
 
+@pytest.mark.parametrize("block", ["offload_activations", "offloading_context"])
+def test_a_blocks_min_bytes_below_the_stores_offloads_the_smaller_tensors(
+    store_factory: StoreFactory, block: str
+) -> None:
+    """The recipe of TRL and torchtune users: a store with the default 1 MiB ``min_bytes`` and
+    a block that asks for 1 KiB. The block handed 64 KiB tensors to the store, which kept them
+    in place under its own threshold, while counting them as offloaded."""
+    from tierstore.integrations.transformers import offloading_context
+
+    def run(store: tierstore.TieredStore | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU())
+        x = torch.randn(128, 128, requires_grad=True)  # every saved activation is 64 KiB
+        if store is None:
+            ctx: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        elif block == "offload_activations":
+            ctx = tierstore.offload_activations(store, min_bytes=1024)
+        else:
+            ctx = offloading_context(model, store, min_bytes=1024, keep_output_head=False)
+        with ctx:
+            loss = model(x).square().sum()
+        if store is not None:
+            wait_for(lambda: settled(store))
+            assert store.stats().disk.total_bytes > 0, "nothing reached the disk"
+        loss.backward()
+        return [loss, x.grad, *(p.grad for p in model.parameters())]  # type: ignore[list-item]
+
+    expected = run(None)
+    store = store_factory("disk", min_bytes=1 << 20)
+    got = run(store)
+    assert_equal_tensors(expected, got)
+    stats = stats_once_released(store)
+    assert stats.bytes_put > 0 and stats.bytes_to_disk == stats.bytes_put
+    assert stats.skipped_bytes.get("below_min_bytes", 0) == 0
+
+
 # -- invariant 1: memory flat across steps --------------------------------------------------
 
 
@@ -749,8 +785,8 @@ class RecordingStore:
         self.config = getattr(store, "config", None)
         self.calls: list[tuple[str, list[int]]] = []
 
-    def put(self, t: torch.Tensor) -> tierstore.TensorHandle:
-        return self.inner.put(t)
+    def put(self, t: torch.Tensor, **kwargs: Any) -> tierstore.TensorHandle:
+        return self.inner.put(t, **kwargs)
 
     def get(self, h: tierstore.TensorHandle) -> torch.Tensor:
         self.calls.append(("get", [h.key]))

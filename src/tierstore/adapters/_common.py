@@ -12,7 +12,7 @@ import torch
 
 from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore.config import MiB
-from tierstore.core._checks import unsupported
+from tierstore.core._checks import check_min_bytes, unsupported
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -77,14 +77,6 @@ def check_store(store: object) -> None:
     raise TypeError(
         f"store={store!r}: expected a tierstore.TieredStore, or None for the default store{hint}"
     )
-
-
-def check_min_bytes(min_bytes: object) -> None:
-    """Raise ValueError unless ``min_bytes`` is None or a non-negative integer."""
-    if min_bytes is not None and (
-        isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0
-    ):
-        raise ValueError(f"min_bytes={min_bytes!r}: expected a non-negative number of bytes")
 
 
 def min_bytes_of(store: TieredStore, min_bytes: int | None) -> int:

@@ -441,7 +441,10 @@ class StorageTable:
             .view(torch.uint8)
         )
         try:
-            handle = store.put(flat)
+            # The adapter's threshold, not the store's: a block may offload smaller tensors.
+            # Passed only then, for stores wrapped in a put(t) of the caller's own.
+            below_stores = min_bytes < getattr(store.config, "min_bytes", 0)
+            handle = store.put(flat, min_bytes=min_bytes) if below_stores else store.put(flat)
         except TierFullError as err:
             store.note_skipped(NO_ROOM, nbytes)
             warn_no_room(store, t, err)

@@ -31,6 +31,7 @@ __all__ = [
     "change_of",
     "changed_error",
     "check_handle",
+    "check_min_bytes",
     "check_tensor",
     "unsupported",
     "version_of",
@@ -135,3 +136,11 @@ def changed_error(e: Entry, why: str) -> TensorModifiedError:
         "copy, so it cannot vouch for the bytes that were put. Leave the tensor, its base and "
         "what get() returns untouched until the handle is released, or put a clone()"
     )
+
+
+def check_min_bytes(min_bytes: object) -> None:
+    """Raise ValueError unless ``min_bytes`` is None or a non-negative integer."""
+    if min_bytes is not None and (
+        isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0
+    ):
+        raise ValueError(f"min_bytes={min_bytes!r}: expected a non-negative number of bytes")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal
 
 from tierstore._state import TensorState, Tier
 from tierstore.core import _moves
-from tierstore.core._checks import check_handle, check_tensor
+from tierstore.core._checks import check_handle, check_min_bytes, check_tensor
 from tierstore.core._counters import Counters, tier_stats
 from tierstore.core._disk_room import DiskRoom
 from tierstore.core._disk_tier import open_disk_tier
@@ -140,22 +140,30 @@ class StoreCore:
 
     # ------------------------------------------------------------------ put
 
-    def put_now(self, t: torch.Tensor) -> tuple[TensorHandle, cf.Future[None] | None]:
+    def put_now(
+        self, t: torch.Tensor, min_bytes: int | None = None
+    ) -> tuple[TensorHandle, cf.Future[None] | None]:
         """Store ``t``; return its handle and, under backpressure, a future to wait on.
+
+        ``min_bytes``: ``t`` stays where it is if smaller (default: the store's).
 
         Raises:
             UnsupportedTensorError: ``t`` is not a plain strided CPU or accelerator tensor.
             TierFullError: no tier has room for it.
             StoreClosedError: the store is closed.
+            ValueError: ``min_bytes`` is not a non-negative integer or None.
         """
         check_tensor(t)
+        check_min_bytes(min_bytes)
+        if min_bytes is None:
+            min_bytes = self.config.min_bytes
         ready = ready_event(t)
         stream = current_stream(t.device)
         with self.lock:
             self._check_open()
             self.drain_dropped()
             nbytes = t.numel() * t.element_size()
-            movable = nbytes >= self.config.min_bytes and nbytes > 0
+            movable = nbytes >= min_bytes and nbytes > 0
             if movable and not self._has_room(nbytes):
                 # What waits for room (copies paused after a failure) is tried again all
                 # the same: every put runs the cascade.
