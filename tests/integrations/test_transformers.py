@@ -7,6 +7,7 @@ import inspect
 import logging
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -401,6 +402,70 @@ def test_offloading_context_is_the_one_line_swap_for_trl_and_torchtune(tmp_path:
         assert not model.lm_head._forward_pre_hooks and not model.lm_head._forward_hooks
     # The head's saved input (the final hidden states, 2 MiB) stays in place when kept.
     assert put[False] - put[True] >= 2 * 1024 * 256 * 4
+
+
+@pytest.mark.filterwarnings("ignore:tierstore. offloading is on:RuntimeWarning")  # A's block
+def test_one_offloading_context_entered_nested_and_by_two_threads_leaves_no_hook(
+    tmp_path: Path,
+) -> None:
+    """Each enter registered the head's hooks over the last ones' handles: a nested or a
+    second thread's enter leaked a pair, which kept switching ``no_offload`` on around the
+    head in every later call."""
+    from tierstore.integrations.transformers import offloading_context
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)
+    )
+    head = model[2]
+    x = torch.randn(256, 256, requires_grad=True)  # 256 KiB activations
+
+    with tierstore.TieredStore(
+        device_bytes=0, host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)
+    ) as store:
+        ctx = offloading_context(model, store, min_bytes=1024)
+
+        def put_by_forward() -> int:
+            before = store.stats().bytes_put
+            model(x).sum()
+            return store.stats().bytes_put - before
+
+        with ctx:
+            once = put_by_forward()
+        with ctx:
+            with ctx:
+                assert put_by_forward() == once
+            assert put_by_forward() == once  # the head still kept after the inner exit
+        assert not head._forward_pre_hooks and not head._forward_hooks
+
+        # Two threads: A enters, B enters, A exits, B runs its forward and exits.
+        entered_a, entered_b, exited_a = threading.Event(), threading.Event(), threading.Event()
+        got: dict[str, int] = {}
+
+        def a() -> None:
+            with ctx:
+                entered_a.set()
+                entered_b.wait(10)
+            exited_a.set()
+
+        def b() -> None:
+            entered_a.wait(10)
+            with ctx:
+                entered_b.set()
+                exited_a.wait(10)
+                got["b"] = put_by_forward()
+
+        threads = [threading.Thread(target=a), threading.Thread(target=b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert got["b"] == once
+        assert not head._forward_pre_hooks and not head._forward_hooks
+        # Outside every block, the head is an ordinary module: nothing is stored.
+        before = store.stats().bytes_put
+        model(x).sum()
+        assert store.stats().bytes_put == before
 
 
 def test_a_model_wrapped_by_peft_before_enabling_keeps_tierstores_checkpoint(

@@ -28,6 +28,7 @@ import copy
 import functools
 import inspect
 import logging
+import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -453,6 +454,10 @@ class offloading_context:
 
     Raises:
         ValueError: ``min_bytes`` is negative or not an integer.
+
+    Like :func:`~tierstore.offload_activations`, one object may be entered again while open,
+    and by several threads at once: the head's hooks stay on it from the first enter to the
+    last exit, and act only in the threads inside the block.
     """
 
     def __init__(
@@ -466,25 +471,41 @@ class offloading_context:
         self._offload = offload_activations(store, min_bytes=min_bytes)
         self._head = _output_head(model) if keep_output_head else None
         self._handles: list[RemovableHandle] = []
-        self._inside: list[Any] = []
+        self._lock = threading.Lock()
+        self._entered = 0  # enters not yet exited, over every thread
+        self._here = threading.local()
+
+    def _thread(self) -> _HeadBlocks:
+        here: _HeadBlocks | None = getattr(self._here, "blocks", None)
+        if here is None:
+            here = self._here.blocks = _HeadBlocks()
+        return here
 
     def __enter__(self) -> offloading_context:
         self._offload.__enter__()
         if self._head is not None:
-            self._handles = [
-                self._head.register_forward_pre_hook(self._keep),
-                self._head.register_forward_hook(self._resume, always_call=True),
-            ]
+            self._thread().marks.append(len(self._thread().inside))
+            with self._lock:
+                self._entered += 1
+                if self._entered == 1:
+                    self._handles = [
+                        self._head.register_forward_pre_hook(self._keep),
+                        self._head.register_forward_hook(self._resume, always_call=True),
+                    ]
         return self
 
     def _keep(self, module: torch.nn.Module, args: Any) -> None:
+        here = self._thread()
+        if not here.marks:  # the head called by a thread outside this block
+            return
         inner = no_offload()
         inner.__enter__()
-        self._inside.append(inner)
+        here.inside.append(inner)
 
     def _resume(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._inside:
-            self._inside.pop().__exit__(None, None, None)
+        here = self._thread()
+        if len(here.inside) > (here.marks[-1] if here.marks else 0):
+            here.inside.pop().__exit__(None, None, None)
 
     def __exit__(
         self,
@@ -492,12 +513,31 @@ class offloading_context:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        while self._inside:  # a head that raised before its forward hook ran
-            self._inside.pop().__exit__(None, None, None)
-        self._offload.__exit__(exc_type, exc, tb)
+        try:
+            if self._head is not None:
+                here = self._thread()
+                mark = here.marks.pop()
+                while len(here.inside) > mark:  # a head that raised before its hook ran
+                    here.inside.pop().__exit__(None, None, None)
+                with self._lock:
+                    self._entered -= 1
+                    if self._entered == 0:
+                        for handle in self._handles:
+                            handle.remove()
+                        self._handles = []
+        finally:
+            self._offload.__exit__(exc_type, exc, tb)
+
+
+class _HeadBlocks:
+    """One thread's state in an :class:`offloading_context`: where each of its open enters
+    began (``marks``) and the ``no_offload`` blocks open around the head (``inside``)."""
+
+    __slots__ = ("inside", "marks")
+
+    def __init__(self) -> None:
+        self.marks: list[int] = []
+        self.inside: list[Any] = []
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
