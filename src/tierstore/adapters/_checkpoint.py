@@ -44,6 +44,7 @@ from torch.utils import _pytree as pytree
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._device import DeviceContext
 
+from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore.adapters._common import min_bytes_of, resolve_store
 from tierstore.adapters._reentry import (
     called_by_its_own_call,
@@ -71,7 +72,7 @@ _local = threading.local()
 # stored once. Per store, because a table that matched another store's entry would read from
 # that store, and die with it (Note: [Stores are independent]).
 _tables: weakref.WeakKeyDictionary[TieredStore, StorageTable] = weakref.WeakKeyDictionary()
-_tables_lock = threading.Lock()
+_tables_lock = ForkSafeLock()
 _warned_reentrant = False
 
 

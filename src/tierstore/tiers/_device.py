@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore.tiers import _accelerator
 
 if TYPE_CHECKING:
@@ -73,12 +73,12 @@ __all__ = [
 log = logging.getLogger("tierstore")
 
 _side_streams: dict[tuple[str, int, str], Any] = {}
-_side_lock = threading.Lock()
+_side_lock = ForkSafeLock()
 _pin_state: dict[str, bool] = {}
 # Uploads while their tensor lives: the tensor -> (the copy's event, the stream it was allocated
 # on, the streams already ordered after it; Note: [Every stream that takes an upload]).
 _uploads: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_uploads_lock = threading.Lock()
+_uploads_lock = ForkSafeLock()
 # Host sources of uploads that have no pool to hold them: kept until their copy's event ends.
 _held: list[tuple[Any, torch.Tensor]] = []
 

@@ -20,9 +20,10 @@ import asyncio
 import errno
 import importlib
 import os
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from tierstore._fork_safe_lock import ForkSafeLock
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -239,7 +240,7 @@ _BUILTIN = {
 }
 # name -> "module:class" until first used, then the class.
 _engines: dict[str, type[DiskEngine] | str] = dict(_BUILTIN)
-_engines_lock = threading.Lock()
+_engines_lock = ForkSafeLock()
 
 
 def _register(name: str, cls: type[DiskEngine]) -> None:

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from tierstore._fork_safe_lock import ForkSafeLock
 from tierstore._stats import format_size
 from tierstore.tiers import _accelerator
 
@@ -61,7 +62,7 @@ log = logging.getLogger("tierstore")
 _PAGE = mmap.PAGESIZE
 _FIRST_PIECE = 64 << 20
 _warned_pageable = False
-_warn_lock = threading.Lock()
+_warn_lock = ForkSafeLock()
 
 
 def _pages(nbytes: int) -> int:
