@@ -292,3 +292,44 @@ def test_sync_store_dropped_without_close_leaves_nothing_at_exit(disk_dir: Path)
     assert not Path(proc.stdout.splitlines()[0]).exists()
     assert list(disk_dir.iterdir()) == []
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_ctrl_c_that_lands_in_a_handles_finalizer_still_interrupts(disk_dir: Path) -> None:
+    """A SIGINT during a dropped handle's callback (mostly the write that wakes the store's
+    loop) raised KeyboardInterrupt inside the callback, where Python prints "Exception
+    ignored" and drops it: the training loop ran on. The interrupt is modelled by the wake-up
+    raising it once; the main thread must still get it, and the store go on working."""
+    proc = _run(f"""
+        import time, torch, tierstore
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, min_bytes=0)
+        h = store.put(torch.ones(1 << 10))
+        loop = store._core.loop
+        real = loop.call_soon_threadsafe
+        raised = []
+
+        def interrupted(*args):
+            if not raised:
+                raised.append(True)
+                raise KeyboardInterrupt
+            return real(*args)
+
+        loop.call_soon_threadsafe = interrupted
+        try:
+            del h
+            time.sleep(2)
+            print("NOT INTERRUPTED", flush=True)
+        except KeyboardInterrupt:
+            print("INTERRUPTED", flush=True)
+        del loop.call_soon_threadsafe
+        assert store.stats().live_entries == 0
+        h2 = store.put(torch.full((1 << 10,), 2.0))
+        del h2
+        deadline = time.monotonic() + 5
+        while store._core.table.entries and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("DRAINED", not store._core.table.entries, flush=True)
+        store.close()
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "INTERRUPTED" in proc.stdout and "Exception ignored" not in proc.stderr, proc
+    assert "DRAINED True" in proc.stdout, proc.stdout

@@ -6,12 +6,25 @@ Note: [Release from a finalizer]
     callback therefore only appends the key to a deque (atomic) and asks the loop to drain it
     soon; every public operation drains it first too, so a caller never sees a released entry
     counted.
+
+Note: [Ctrl-C in a finalizer]
+    A handle dies wherever its last reference goes, often on the main thread, between a
+    training loop's statements. A SIGINT that arrives while its callback runs raises
+    KeyboardInterrupt inside the callback, where Python prints "Exception ignored" and drops
+    it: the user's Ctrl-C did nothing. Most of the callback's time is the write that wakes the
+    loop, a system call that the signal interrupts. So the callback hands a KeyboardInterrupt
+    back to the main thread, to be raised at its next statement, and leaves the drain
+    scheduled or not, never half-way. ``_thread.interrupt_main()`` called from the callback
+    itself would raise again right there, at its next instruction: a timer thread calls it a
+    millisecond later, once the callback has returned.
 """
 
 from __future__ import annotations
 
+import _thread
 import collections
 import contextlib
+import threading
 import weakref
 from typing import TYPE_CHECKING
 
@@ -92,17 +105,24 @@ class Handles:
 
     def _on_dead(self, ref: HandleRef) -> None:
         """Weakref callback of a handle (Note: [Release from a finalizer])."""
-        self.drop(ref.key)
+        try:
+            self.drop(ref.key)
+        except KeyboardInterrupt:  # Note: [Ctrl-C in a finalizer]
+            threading.Timer(0.001, _thread.interrupt_main).start()
 
     def drop(self, key: int) -> None:
         """Release ``key``'s entry soon, on the store's loop; takes no lock."""
         self.dropped.append(key)
         if not self._scheduled:
             self._scheduled = True
-            with contextlib.suppress(RuntimeError):  # the loop is closed: close() drained
-                self._loop.call_soon_threadsafe(
-                    self._loop.call_later, DRAIN_DELAY_SECONDS, self._drain_scheduled
-                )
+            try:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: close() drained
+                    self._loop.call_soon_threadsafe(
+                        self._loop.call_later, DRAIN_DELAY_SECONDS, self._drain_scheduled
+                    )
+            except BaseException:
+                self._scheduled = False  # the next drop schedules it; every call drains
+                raise
 
     def _drain_scheduled(self) -> None:
         # Clear the flag before draining, so a handle dropped meanwhile schedules another.
