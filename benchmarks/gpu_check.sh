@@ -5,8 +5,8 @@
 #   3. the training-step benchmark on the GPU, every mode's gradients checked bit for bit
 #      against plain training (a mode that differs is refused and the step fails), two
 #      rounds with the modes taking turns;
-#   4. with GPU_CHECK_SUITE=1, the suite with CUDA present (4 more minutes), where the
-#      host tier allocates pinned memory;
+#   4. with GPU_CHECK_SUITE=1, the suite with CUDA present (4 more minutes; GPU_CHECK_SUITE_S
+#      sets its limit in seconds, default 240), where the host tier allocates pinned memory;
 #   5. the training step with the default windows and on the disk tier (with 32 MiB and
 #      256 MiB windows, and with only the biggest tensors offloaded), and the machine's disk
 #      against its raw limit (tierstore-bench disk, dd or fio). GPU_CHECK_SHORT=1 skips this
@@ -83,7 +83,7 @@ if [ "${GPU_CHECK_SUITE:-0}" = 1 ]; then
     # At the limit, SIGINT: pytest then prints the failures it has so far (a killed run
     # prints none). To rerun some files, keep each directory's files together on the command
     # line: pytest 9.1.1, the GPU image's, loses a directory's conftest fixtures otherwise.
-    OMP_NUM_THREADS=2 timeout -s INT -k 30 240 python3 -m pytest -v -rfE --tb=short -p no:cacheprovider \
+    OMP_NUM_THREADS=2 timeout -s INT -k 30 "${GPU_CHECK_SUITE_S:-240}" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider \
         -p no:benchmark -n 8 tests --ignore=tests/test_lint.py >"$out/suite.log" 2>&1
     check "suite"
     grep -E "(FAILED|ERROR) tests/|passed|failed" "$out/suite.log" | tail -40

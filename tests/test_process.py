@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 
 import tierstore
 from tierstore._spilldir import PREFIX, sweep_stale
@@ -418,6 +423,218 @@ def test_a_child_forked_during_a_close_closes_at_once(disk_dir: Path) -> None:
             os._exit(0 if time.monotonic() - started < 2.0 else 3)
         _, status = os.waitpid(pid, 0)
         closing.join()
+        print("child", os.waitstatus_to_exitcode(status))
+    """)
+    assert "child 0" in out, out
+
+
+def _dropped_store_closes(where: str, disk_dir: Path) -> None:
+    before = set(threading.enumerate())
+    store = tierstore.TieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=0, min_bytes=0, disk_bytes="256MiB"
+    )
+    # Over 1 MiB and packed ones, so the engine's I/O threads are running.
+    tensors = [torch.randn(n) for n in (1 << 19, 1 << 19, 1 << 10, 1 << 12)]
+    handles = [store.put(t) for t in tensors]
+    assert all(torch.equal(store.get(h), t) for h, t in zip(handles, tensors, strict=True))
+    spill_dir, core = store.spill_dirs[0], store._core
+    assert core is not None and spill_dir.is_dir()
+    ours = set(threading.enumerate()) - before
+    assert any(t.name == "tierstore-loop" for t in ours)
+    gone = weakref.ref(store)
+    if where == "by its last reference":
+        del store
+    else:
+        cycle: list[object] = [store]
+        cycle.append(cycle)
+        del store, cycle
+        if where == "by the collector on its own loop thread":
+            core.loop.call_soon_threadsafe(gc.collect)
+        else:  # inside its lock: the close must wait for the lock, not re-enter it
+            with core.lock:
+                gc.collect()
+                assert gone() is None and not core.closed
+    deadline = time.monotonic() + 20
+    while (spill_dir.exists() or any(t.is_alive() for t in ours)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone() is None
+    assert not spill_dir.exists(), "the dropped store's spill directory is still there"
+    assert [t.name for t in ours if t.is_alive()] == []
+    assert core.closed and core.final_stats is not None
+    # Its handles are released ones now; nothing of them stayed on disk.
+    assert list(disk_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "by its last reference",
+        "by the collector on its own loop thread",
+        "by the collector inside its lock",
+    ],
+)
+def test_a_store_dropped_without_close_closes_itself(disk_dir: Path, where: str) -> None:
+    _dropped_store_closes(where, disk_dir)
+
+
+def test_a_store_dropped_just_before_exit_closes_cleanly(disk_dir: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
+                import torch, tierstore
+                store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0,
+                                              host_bytes=0, min_bytes=0)
+                hs = [store.put(torch.randn(1 << 19)) for _ in range(16)]
+                del store  # its close is still under way when the interpreter exits
+            """),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_a_forked_child_that_drops_the_parents_store_leaves_the_parents_files(
+    disk_dir: Path,
+) -> None:
+    out = _python(f"""
+        import gc, os, time, torch, tierstore
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
+                                      min_bytes=0)
+        h = store.put(torch.arange(1 << 19, dtype=torch.float32))
+        parent_dir = store.spill_dirs[0]
+        # Made here: torch's OpenMP pool hangs a forked child's first parallel operation.
+        ones = torch.ones(1 << 19)
+        for use in (False, True):  # dropped unused, and after it started a store of its own
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                if use:
+                    store.put(ones)
+                    child_dir = store.spill_dirs[0]
+                del store
+                gc.collect()
+                if use:
+                    deadline = time.monotonic() + 20
+                    while child_dir.exists() and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    code = 0 if not child_dir.exists() else 4
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            print("child", use, os.waitstatus_to_exitcode(status))
+        print("parent dir alive", parent_dir.is_dir())
+        assert torch.equal(store.get(h), torch.arange(1 << 19, dtype=torch.float32))
+        store.close()
+    """)
+    assert "child False 0" in out and "child True 0" in out, out
+    assert "parent dir alive True" in out, out
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_an_async_store_used_before_a_fork_works_in_the_child(disk_dir: Path) -> None:
+    """The child's stores start empty at their first call there; an ``AsyncTieredStore``
+    bound before the fork called itself closed in the child instead."""
+    out = _python(f"""
+        import asyncio, os, torch, tierstore
+        torch.set_num_threads(1)  # torch's OpenMP pool hangs a forked child's parallel ops
+        store = tierstore.AsyncTieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0,
+                                           host_bytes=0, min_bytes=0)
+        t = torch.arange(1 << 19, dtype=torch.float32)
+
+        async def round_trip():
+            h = await store.put(t)
+            assert torch.equal(await store.get(h), t)
+            return h, store._core.spill_dirs[0]
+
+        loop = asyncio.new_event_loop()  # the parent's, open across the fork
+        parent_h, parent_dir = loop.run_until_complete(round_trip())
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                async def child():
+                    _, child_dir = await round_trip()
+                    assert child_dir != parent_dir
+                    try:
+                        await store.get(parent_h)
+                        return 3
+                    except tierstore.TensorReleasedError:
+                        pass
+                    await store.close()
+                    return 0 if not child_dir.exists() else 4
+                code = asyncio.run(child())
+            except BaseException as exc:
+                print("child failed", repr(exc), flush=True)
+                code = 2
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        print("parent dir alive", parent_dir.is_dir())
+
+        async def finish():
+            assert torch.equal(await store.get(parent_h), t)
+            await store.close()
+
+        loop.run_until_complete(finish())
+        loop.close()
+    """)
+    assert "child 0" in out and "parent dir alive True" in out, out
+    assert list(disk_dir.iterdir()) == []
+
+
+def test_module_locks_are_made_anew_in_a_forked_child() -> None:
+    """A module-level lock another thread holds at a fork stays held in the child for ever.
+    Each is a ForkSafeLock, or renewed or held across the fork by an at-fork hook of its
+    own module (named here)."""
+    import importlib
+    import pkgutil
+
+    renewed_by_their_module = {"tierstore._registry._dirs_lock", "tierstore._spilldir._held_lock"}
+    plain = (type(threading.Lock()), type(threading.RLock()))
+    found = []
+    for info in pkgutil.walk_packages(tierstore.__path__, "tierstore."):
+        if ".bench" in info.name or info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if isinstance(value, plain) and f"{info.name}.{name}" not in renewed_by_their_module:
+                found.append(f"{info.name}.{name}")
+    assert found == [], f"plain module-level locks, which hang a forked child: {found}"
+
+
+def test_a_fork_while_another_thread_looks_up_an_engine_leaves_the_child_working(
+    disk_dir: Path,
+) -> None:
+    out = _python(f"""
+        import os, threading, torch, tierstore
+        from tierstore.tiers import _engine
+        torch.set_num_threads(1)
+        held, done = threading.Event(), threading.Event()
+
+        def hold():
+            with _engine._engines_lock:  # as while another thread configures a store
+                held.set()
+                done.wait()
+
+        threading.Thread(target=hold, daemon=True).start()
+        held.wait()
+        pid = os.fork()
+        if pid == 0:
+            import faulthandler, sys
+            faulthandler.dump_traceback_later(20, exit=True)
+            with tierstore.TieredStore(disk_dir={str(disk_dir)!r}, host_bytes=0,
+                                       min_bytes=0) as store:
+                t = torch.arange(1 << 10, dtype=torch.float32)
+                ok = torch.equal(store.get(store.put(t)), t)
+            os._exit(0 if ok else 3)
+        done.set()
+        _, status = os.waitpid(pid, 0)
         print("child", os.waitstatus_to_exitcode(status))
     """)
     assert "child 0" in out, out
