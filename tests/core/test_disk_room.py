@@ -147,3 +147,40 @@ def test_after_enospc_only_placeable_space_in_the_files_counts(world: World) -> 
     engine.placeable = 2 * MiB  # type: ignore[union-attr]
     world.now += 1
     assert room.recheck()
+
+
+def test_a_full_quota_backs_off_instead_of_failing_every_second(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Note: [A full quota]: statvfs shows the filesystem free, so the ENOSPC rule ended the
+    pause at once and every write failed, with a warning, once a second for the whole run."""
+    room = _room(world)
+    engine = room.engine
+    assert engine is not None
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded")
+    with caplog.at_level(logging.INFO, logger="tierstore"):
+        room.write_failed("tensor #1", 2 * MiB, quota)
+        off, advice = room.advice()
+        assert "quota is full" in off and "TIERSTORE_DISK_DIR" in advice
+        # Plenty of free space on the filesystem, and the pause doubles with each failure.
+        pauses = []
+        for n in range(1, 9):
+            waited = 0.0
+            while not room.recheck():
+                world.now += 0.5
+                waited += 0.5
+            pauses.append(waited)
+            room.write_failed(f"tensor #{n + 1}", 2 * MiB, quota)
+        assert pauses == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0]
+        # Room in its own files ends the pause early: reusing it needs no new quota.
+        world.now += 1
+        engine.reusable = 2 * MiB  # type: ignore[attr-defined]
+        assert room.recheck()
+        room.write_succeeded()
+        room.write_failed("tensor #10", 2 * MiB, quota)  # a new run: 1 s, and a warning again
+        engine.reusable = 0  # type: ignore[attr-defined]
+        world.now += 1
+        assert room.recheck()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, [r.getMessage() for r in warnings]
+    assert "for 1s before it tries again" in warnings[1].getMessage()

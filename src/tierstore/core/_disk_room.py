@@ -11,6 +11,15 @@ Note: [Disk full until space returns]
     through a spill file, none big enough for the blob, would otherwise end the pause at once
     and every retry would fail again. While it is off, the store counts no disk room, so
     ``put`` raises ``TierFullError`` instead of growing the host tier without bound.
+
+Note: [A full quota]
+    EDQUOT is ENOSPC's twin with one difference: ``statvfs`` does not see a user's quota, so
+    the filesystem looks free and the pause above would end at once, every write failing
+    with a warning each second for the rest of the run. After EDQUOT, only room in the
+    store's own files ends the pause early (reusing it needs no new quota); otherwise the tier
+    tries one write after a pause that doubles with each quota failure in a row, from
+    ``RETRY_SECONDS`` to ``QUOTA_RETRY_MAX_SECONDS``, in case other files were deleted. A
+    write that succeeds ends the run of failures; only its first is a warning.
 """
 
 from __future__ import annotations
@@ -29,12 +38,22 @@ if TYPE_CHECKING:
 
     from tierstore.tiers import DiskEngine
 
-__all__ = ["FREE_SPACE_TTL_SECONDS", "RETRY_SECONDS", "DiskRoom", "Verdict", "free_bytes"]
+__all__ = [
+    "FREE_SPACE_TTL_SECONDS",
+    "QUOTA_RETRY_MAX_SECONDS",
+    "RETRY_SECONDS",
+    "DiskRoom",
+    "Verdict",
+    "free_bytes",
+]
 
 log = logging.getLogger("tierstore")
 
 RETRY_SECONDS = 1.0
 """How long a failed disk stays unavailable before the store checks for space again."""
+QUOTA_RETRY_MAX_SECONDS = 60.0
+"""The longest pause between trial writes while the user's disk quota stays full (Note: [A
+full quota])."""
 FREE_SPACE_TTL_SECONDS = 0.05
 """The filesystems' free space is read at most this often: two system calls per spill would
 cost as much as packing a small tensor. Spills planned since the reading are subtracted from
@@ -108,6 +127,9 @@ class DiskRoom:
         # After the engine itself ran out of space, only space a blob can be placed in counts
         # toward ``need`` (DiskEngine.placeable_bytes), not scattered free pieces of its files.
         self._engine_was_full = False
+        self._quota_failures = 0
+        """EDQUOT failures in a row, since the last write that succeeded (Note: [A full
+        quota])."""
 
     def recheck(self) -> bool:
         """End a pause whose time is up and whose space is back; then whether spills may go
@@ -119,7 +141,14 @@ class DiskRoom:
         failed_at = self.failed_at
         if failed_at is not None and self._clock() - failed_at < RETRY_SECONDS:
             return False
-        if self.need and self.free(placeable=self._engine_was_full) < self.need:
+        if self._quota_failures:
+            assert failed_at is not None
+            # Note: [A full quota]: the filesystem's free space says nothing here.
+            pause = min(RETRY_SECONDS * 2 ** (self._quota_failures - 1), QUOTA_RETRY_MAX_SECONDS)
+            own = self.engine.placeable_bytes() + self.deleting
+            if own < self.need and self._clock() - failed_at < pause:
+                return False
+        elif self.need and self.free(placeable=self._engine_was_full) < self.need:
             return False
         self.failed_at = None
         self.need = 0
@@ -172,12 +201,29 @@ class DiskRoom:
         )
         return self._fs_free - self._fs_planned + held + self.deleting
 
+    def write_succeeded(self) -> None:
+        """A spill reached the disk: a run of quota failures is over."""
+        self._quota_failures = 0
+
     def write_failed(self, what: str, footprint: int, exc: BaseException) -> None:
         """Pause the tier after a failed write of ``what`` (``footprint`` bytes), and say so."""
         self.failed_at = self._clock()
         code = exc.errno if isinstance(exc, OSError) else None
         why = errno.errorcode.get(code, "") if code else ""
-        if code in (errno.ENOSPC, errno.EDQUOT):
+        level = logging.WARNING
+        if code == errno.EDQUOT:
+            self.need = max(footprint, 1)
+            self._engine_was_full = True
+            self._quota_failures += 1
+            if self._quota_failures > 1:
+                level = logging.INFO  # the run's first failure warned
+            pause = min(RETRY_SECONDS * 2 ** (self._quota_failures - 1), QUOTA_RETRY_MAX_SECONDS)
+            until = (
+                f"until its own files have that much room, or for {pause:.0f}s before it "
+                f"tries again (doubling up to {QUOTA_RETRY_MAX_SECONDS:.0f}s while the quota "
+                "stays full)"
+            )
+        elif code == errno.ENOSPC:
             self.need = max(footprint, 1)
             self._engine_was_full = True
             until = "until that much space is free again"
@@ -185,7 +231,8 @@ class DiskRoom:
             detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             self.error = f"{why}: {detail}" if why else detail
             until = f"for {RETRY_SECONDS:.0f}s"
-        log.warning(
+        log.log(
+            level,
             "tierstore: writing %s to disk failed (%s%s); it stays in memory and the disk tier "
             "pauses %s",
             what,
@@ -210,8 +257,15 @@ class DiskRoom:
                 "fix what the write error names (see the warning logged with it), raise "
                 "TIERSTORE_HOST_BYTES, or release tensors",
             )
+        where = os.pathsep.join(map(str, self._dirs))
+        if self._quota_failures:
+            return (
+                f" (disk tier unavailable: your disk quota is full under {where})",
+                "free space within your quota or spill elsewhere (TIERSTORE_DISK_DIR), raise "
+                "TIERSTORE_HOST_BYTES, or release tensors",
+            )
         return (
             f" (disk tier unavailable: full until {format_size(self.need)} are free under "
-            f"{os.pathsep.join(map(str, self._dirs))})",
+            f"{where})",
             "free disk space, raise TIERSTORE_HOST_BYTES, or release tensors",
         )

@@ -157,6 +157,7 @@ class Transfers:
         changed = exc if isinstance(exc, TensorModifiedError) else None
         if exc is None:
             core.counters.bytes_to_disk += e.nbytes
+            core.disk.write_succeeded()
         else:
             footprint = e.disk
             core.table.set_disk(e, 0)  # the engine keeps nothing of a failed write
