@@ -33,11 +33,14 @@ async def _sequential(directory: Path, threads: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     await asyncio.gather(*(e.write(i, s[i]) for i in range(N)))
     t1 = time.perf_counter()
+    outs = {}
     for i in reversed(range(N)):
-        await e.read(i, torch.empty(SIZE, dtype=torch.uint8))
+        outs[i] = torch.empty(SIZE, dtype=torch.uint8)
+        await e.read(i, outs[i])
     t2 = time.perf_counter()
     await e.close()
     shutil.rmtree(d)
+    _check(s, outs)
     return N * SIZE / (t1 - t0) / 1e9, N * SIZE / (t2 - t1) / 1e9
 
 
@@ -47,15 +50,21 @@ async def _concurrent(directory: Path, threads: int, chunk: str) -> float:
     s = [torch.randint(0, 256, (SIZE,), dtype=torch.uint8) for _ in range(N)]
     await asyncio.gather(*(e.write(i, s[i]) for i in range(N)))
 
-    async def read(i: int) -> None:
-        await e.read(i, torch.empty(SIZE, dtype=torch.uint8))
-
+    outs = {i: torch.empty(SIZE, dtype=torch.uint8) for i in range(N)}
     t0 = time.perf_counter()
-    await asyncio.gather(*(read(i) for i in reversed(range(N))))
+    await asyncio.gather(*(e.read(i, outs[i]) for i in reversed(range(N))))
     t1 = time.perf_counter()
     await e.close()
     shutil.rmtree(d)
+    _check(s, outs)
     return N * SIZE / (t1 - t0) / 1e9
+
+
+def _check(written: list[torch.Tensor], read: dict[int, torch.Tensor]) -> None:
+    """A speed counts only if every byte came back: stop the run otherwise."""
+    for i, t in enumerate(written):
+        if not torch.equal(read[i], t):
+            raise SystemExit(f"tensor {i} did not read back as written; no figure is valid")
 
 
 def main() -> None:

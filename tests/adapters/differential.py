@@ -5,9 +5,11 @@ autograd saves in one step straddle every threshold of the data path:
 
 - sizes: 16 KiB and just under 1 MiB (small blobs, written in packs), exactly 1 MiB, just over
   1 MiB (chunked: one chunk), one chunk and a bit, and tens of MiB in several chunks (the
-  fused QKV output of the largest input is 24 MiB). The raw engine's chunks are 2 MiB in two
-  configurations, so that these sizes cross many chunk boundaries, and 8 MiB (the default)
-  in the others;
+  fused QKV output of the largest input is 24 MiB). The raw engine's chunks are 2 MiB, and
+  1 MiB over the two striped directories, so that these sizes cross many chunk boundaries
+  under both adapters: under ``checkpoint`` only the inputs are stored, the largest 8 MiB,
+  which the default 8 MiB chunk would write whole (the Hugging Face matrix keeps the
+  default);
 - page positions: inputs whose storage starts 0, 64, 192 (an odd multiple of 64) and 4032 (a
   page minus 64) bytes past a page, so the raw engine writes them with each lead;
 - storage offsets: views at 64, 192 and 4032 bytes into their storage;
@@ -47,11 +49,11 @@ VIEW_OFFSETS = (16, 48, 1008)
 CONFIGS: dict[str, dict[str, object]] = {
     "device": {"device_bytes": "unlimited"},
     "host": {"host_bytes": "unlimited"},
-    "tiny-host": {"host_bytes": "2MiB"},
+    "tiny-host": {"host_bytes": "2MiB", "io_chunk_bytes": "2MiB"},
     "disk-raw-direct": {"host_bytes": 0, "direct_io": "on", "io_chunk_bytes": "2MiB"},
     "disk-raw-buffered": {"host_bytes": 0, "direct_io": "off", "io_chunk_bytes": "2MiB"},
     "disk-zarr": {"host_bytes": 0, "disk_format": "zarr"},
-    "disk-striped": {"host_bytes": 0, "stripes": 2},
+    "disk-striped": {"host_bytes": 0, "stripes": 2, "io_chunk_bytes": "1MiB"},
 }
 """Store settings that force each path; ``stripes`` asks for that many spill directories."""
 
