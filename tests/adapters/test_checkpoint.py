@@ -55,6 +55,10 @@ def test_grads_equal_with_dropout_and_each_tier(store_factory: StoreFactory, tie
     assert_equal_tensors(expected, train_steps(store))
     stats = stats_once_released(store)
     assert stats.puts > 0 and stats.live_entries == 0
+    # Each tier really held the inputs, and no slower one did.
+    placed = {"device": stats.device, "host": stats.host, "disk": stats.disk}
+    assert placed[tier].total_entries == stats.puts
+    assert sum(placed[name].total_entries for name in TIERS[TIERS.index(tier) + 1 :]) == 0
     if tier == "disk":
         assert stats.bytes_to_disk == stats.bytes_put and stats.bytes_from_disk > 0
 
