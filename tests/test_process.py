@@ -483,10 +483,13 @@ def test_a_store_dropped_just_before_exit_closes_cleanly(disk_dir: Path) -> None
             sys.executable,
             "-c",
             textwrap.dedent(f"""
-                import torch, tierstore
+                import atexit, torch, tierstore
                 store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0,
                                               host_bytes=0, min_bytes=0)
                 hs = [store.put(torch.randn(1 << 19)) for _ in range(16)]
+                core = store._core  # the store's state, which does not keep the store alive
+                # Runs after the exit hook that joins closes, before the directory backstop.
+                atexit.register(lambda: print("closed", core.closed, core.final_stats is not None))
                 del store  # its close is still under way when the interpreter exits
             """),
         ],
@@ -497,6 +500,7 @@ def test_a_store_dropped_just_before_exit_closes_cleanly(disk_dir: Path) -> None
         check=False,
     )
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    assert "closed True True" in proc.stdout, proc.stdout
     assert list(disk_dir.iterdir()) == []
 
 
@@ -638,3 +642,69 @@ def test_a_fork_while_another_thread_looks_up_an_engine_leaves_the_child_working
         print("child", os.waitstatus_to_exitcode(status))
     """)
     assert "child 0" in out, out
+
+
+def test_a_child_forked_while_a_dropped_store_closes_holds_none_of_its_files(
+    disk_dir: Path,
+) -> None:
+    """A dropped store closing on its loop thread is in no list of open stores: the fork hook
+    did not reset its core, and the child kept the parent's spill file open (its space held
+    until the child exited)."""
+    out = _python(f"""
+        import gc, os, time, torch, tierstore
+        from tierstore.testing import install_faults
+        torch.set_num_threads(1)  # torch's OpenMP pool hangs a forked child's parallel ops
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0,
+                                      host_bytes=0, min_bytes=0, io_chunk_bytes="1MiB")
+        faulty = install_faults(store)
+        faulty.write_delay = 0.3  # a slow disk: the close waits for the writes in flight
+        spill = store.spill_dirs[0]
+        hs = [store.put(torch.full((1 << 20,), float(i))) for i in range(6)]
+        assert store.stats().inflight_bytes > 0
+        del store
+        gc.collect()
+        pid = os.fork()
+        if pid == 0:
+            held = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    target = os.readlink(f"/proc/self/fd/{{fd}}")
+                except OSError:
+                    continue
+                if target.startswith({str(disk_dir)!r}):
+                    held.append(target)
+            print("child holds", held, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        deadline = time.monotonic() + 30
+        while spill.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("parent's directory removed", not spill.exists(), flush=True)
+    """)
+    assert "child holds []" in out and "parent's directory removed True" in out, out
+
+
+def test_exit_waits_for_a_dropped_stores_close_as_long_as_close_would() -> None:
+    """The exit hook joined closing loop threads for 30 s in all; a close outlasting that was
+    cut off at teardown (its executors shut down under it, or the process aborted). Each now
+    gets the wait its store's ``close()`` would have had."""
+    out = _python("""
+        import threading, time
+        from tierstore import _registry
+
+        class Core:
+            def forget_after_fork(self):
+                pass
+
+        slow = threading.Thread(target=time.sleep, args=(1.5,), daemon=True)
+        stuck = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+        slow.start(), stuck.start()
+        _registry.closing(slow, Core(), 30.0)
+        _registry.closing(stuck, Core(), 0.5)
+        started = time.monotonic()
+        _registry._close_all()
+        print("joined slow", not slow.is_alive(), "gave up on stuck", stuck.is_alive(),
+              f"after {time.monotonic() - started:.1f}", flush=True)
+    """)
+    assert "joined slow True gave up on stuck True" in out, out
+    assert float(out.split("after ")[1]) < 5, out

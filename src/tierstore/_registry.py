@@ -34,6 +34,10 @@ class _Closable(Protocol):
     def _reset_after_fork(self) -> None: ...
 
 
+class _Forgettable(Protocol):
+    def forget_after_fork(self) -> None: ...
+
+
 class _Removable(Protocol):
     def remove(self) -> None: ...
     def forget(self) -> None: ...
@@ -43,8 +47,9 @@ log = logging.getLogger("tierstore")
 
 _open: set[_Closable] = set()
 _open_weakly: weakref.WeakSet[_Closable] = weakref.WeakSet()
-# Loop threads of dropped stores, closing on their own; joined at exit.
-_closing: set[threading.Thread] = set()
+# Dropped stores closing on their own: each loop thread, with the store's core (which a
+# forked child must forget) and the moment its close is given up on at exit.
+_closing: dict[threading.Thread, tuple[_Forgettable, float]] = {}
 _dirs: set[_Removable] = set()
 # Reentrant: the SIGTERM handler runs on the main thread, possibly between the acquire and the
 # release of a track() it interrupted.
@@ -68,13 +73,15 @@ def unregister(store: _Closable) -> None:
     _open_weakly.discard(store)
 
 
-def closing(thread: threading.Thread) -> None:
-    """A dropped store's loop thread, closing it: waited for at exit (30 s at most for all)."""
-    # copy(): a C-level copy, which no finalizer can interrupt to change the set.
+def closing(thread: threading.Thread, core: _Forgettable, wait: float) -> None:
+    """A dropped store's loop ``thread`` closes ``core``: a forked child forgets the core
+    (its spill files' descriptors), and exit waits for the thread up to ``wait`` seconds from
+    now, as ``close()`` would have."""
+    # copy(): a C-level copy, which no finalizer can interrupt to change the dict.
     for done in _closing.copy():
         if not done.is_alive():
-            _closing.discard(done)
-    _closing.add(thread)
+            _closing.pop(done, None)
+    _closing[thread] = (core, time.monotonic() + wait)
 
 
 def track(directory: _Removable) -> None:
@@ -98,8 +105,7 @@ def _close_all() -> None:
         with contextlib.suppress(Exception):
             store._close_at_exit()
     _open.clear()
-    deadline = time.monotonic() + 30  # for them all, not each
-    for thread in _closing.copy():
+    for thread, (_core, deadline) in _closing.copy().items():
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
     _closing.clear()
     # Directories of stores that were dropped without close().
@@ -120,7 +126,13 @@ def _after_fork_in_child() -> None:
             d.forget()
         except Exception:
             log.exception("tierstore: after fork, could not forget the parent's %r", d)
-    _closing.clear()  # those threads were the parent's
+    # Those threads were the parent's; their cores still hold the parent's spill files open.
+    for thread, (core, _deadline) in _closing.copy().items():
+        try:
+            core.forget_after_fork()
+        except Exception:
+            log.exception("tierstore: after fork, could not forget a closing store's files")
+        _closing.pop(thread, None)
     for store in [*_open.copy(), *_open_weakly]:
         try:
             store._reset_after_fork()

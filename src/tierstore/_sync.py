@@ -440,9 +440,11 @@ def _close_dropped(core: StoreCore, thread: threading.Thread, timeout: float) ->
         collector runs this finalizer wherever it frees the store: on any thread, maybe on
         the store's own loop or inside its lock. So it waits for nothing and touches no
         state: it only asks the loop to close the store as a callback of its own, and to stop
-        once that ends. Entries are gone already: no handle keeps the store alive, but every
-        handle of this store is now a released one. The exit hook joins a close still under
-        way.
+        once that ends. Handles do not keep their store alive: the close releases the entries
+        of any still held, which then read as released. The registry keeps the closing core
+        until its thread ends: the exit hook waits for it as long as ``close()`` would have
+        (a loop thread cut off at teardown can abort the process), and a forked child forgets
+        its spill files, as it does an open store's.
     """
     loop = core.loop
 
@@ -458,7 +460,7 @@ def _close_dropped(core: StoreCore, thread: threading.Thread, timeout: float) ->
             log.warning("tierstore: closing a store dropped without close() failed: %r", err)
         loop.stop()
 
-    _registry.closing(thread)
+    _registry.closing(thread, core, 2 * timeout + 5)  # close()'s own wait
     with contextlib.suppress(RuntimeError):  # its loop is closed already
         loop.call_soon_threadsafe(begin)
 

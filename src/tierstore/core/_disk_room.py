@@ -265,7 +265,6 @@ class DiskRoom:
                 "TIERSTORE_HOST_BYTES, or release tensors",
             )
         return (
-            f" (disk tier unavailable: full until {format_size(self.need)} are free under "
-            f"{where})",
+            f" (disk tier unavailable: full until {format_size(self.need)} are free under {where})",
             "free disk space, raise TIERSTORE_HOST_BYTES, or release tensors",
         )

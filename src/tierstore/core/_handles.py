@@ -12,18 +12,21 @@ Note: [Ctrl-C in a finalizer]
     training loop's statements. A SIGINT that arrives while its callback runs raises
     KeyboardInterrupt inside the callback, where Python prints "Exception ignored" and drops
     it: the user's Ctrl-C did nothing. Most of the callback's time is the write that wakes the
-    loop, a system call that the signal interrupts. So the callback hands a KeyboardInterrupt
-    back to the main thread, to be raised at its next statement, and leaves the drain
-    scheduled or not, never half-way. ``_thread.interrupt_main()`` called from the callback
-    itself would raise again right there, at its next instruction: a timer thread calls it a
-    millisecond later, once the callback has returned.
+    loop, a system call that the signal interrupts. So the callback hands the interrupt back
+    to the main thread and leaves the drain scheduled or not, never half-way. It installs a
+    one-shot SIGINT handler that puts the previous one back and raises KeyboardInterrupt, and
+    a timer thread sends the main thread a real SIGINT a millisecond later, once the callback
+    has returned: a real signal breaks a sleep or a lock wait at once (flagging one with
+    ``_thread.interrupt_main()`` waits for the call to return), and the one-shot handler
+    keeps the application's own from running twice for one Ctrl-C (it ran already, and
+    raised the interrupt the callback caught).
 """
 
 from __future__ import annotations
 
-import _thread
 import collections
 import contextlib
+import signal
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -35,6 +38,7 @@ from tierstore.errors import TensorReleasedError
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable
+    from types import FrameType
 
     from tierstore.core._entries import Entry
 
@@ -43,6 +47,23 @@ __all__ = ["DRAIN_DELAY_SECONDS", "HandleRef", "Handles"]
 DRAIN_DELAY_SECONDS = 0.005
 """Dropped handles are released in batches: waking the loop thread for each one costs a GIL
 hand-off. Every store call drains the batch first anyway."""
+
+
+def _interrupt_again() -> None:
+    """Raise KeyboardInterrupt in the main thread again, soon, without calling the
+    application's SIGINT handler (Note: [Ctrl-C in a finalizer]). On the main thread."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None:  # installed outside Python: the closest is the default
+        previous = signal.SIG_DFL
+
+    def once(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGINT, previous)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, once)
+    main = threading.main_thread().ident
+    assert main is not None
+    threading.Timer(0.001, signal.pthread_kill, (main, signal.SIGINT)).start()
 
 
 class HandleRef(weakref.ref[TensorHandle]):
@@ -106,13 +127,21 @@ class Handles:
     def _on_dead(self, ref: HandleRef) -> None:
         """Weakref callback of a handle (Note: [Release from a finalizer])."""
         try:
-            self.drop(ref.key)
+            # The key first, by a call into C: a signal is raised only after a call returns,
+            # so from here on the release is queued whatever the signal does.
+            self.dropped.append(ref.key)
+            self._schedule_drain()
         except KeyboardInterrupt:  # Note: [Ctrl-C in a finalizer]
-            threading.Timer(0.001, _thread.interrupt_main).start()
+            if threading.current_thread() is not threading.main_thread():
+                raise  # not a signal's: only the main thread gets those
+            _interrupt_again()
 
     def drop(self, key: int) -> None:
         """Release ``key``'s entry soon, on the store's loop; takes no lock."""
         self.dropped.append(key)
+        self._schedule_drain()
+
+    def _schedule_drain(self) -> None:
         if not self._scheduled:
             self._scheduled = True
             try:
