@@ -439,6 +439,7 @@ def _dropped_store_closes(where: str, disk_dir: Path) -> None:
     assert all(torch.equal(store.get(h), t) for h, t in zip(handles, tensors, strict=True))
     spill_dir, core = store.spill_dirs[0], store._core
     assert core is not None and spill_dir.is_dir()
+    core_gone = weakref.ref(core)
     ours = set(threading.enumerate()) - before
     assert any(t.name == "tierstore-loop" for t in ours)
     gone = weakref.ref(store)
@@ -463,6 +464,10 @@ def _dropped_store_closes(where: str, disk_dir: Path) -> None:
     assert core.closed and core.final_stats is not None
     # Its handles are released ones now; nothing of them stayed on disk.
     assert list(disk_dir.iterdir()) == []
+    # Nothing keeps the closed store's memory (its pinned pool, on a GPU) either.
+    del core
+    gc.collect()
+    assert core_gone() is None
 
 
 @pytest.mark.parametrize(

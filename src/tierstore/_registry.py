@@ -48,8 +48,10 @@ log = logging.getLogger("tierstore")
 _open: set[_Closable] = set()
 _open_weakly: weakref.WeakSet[_Closable] = weakref.WeakSet()
 # Dropped stores closing on their own: each loop thread, with the store's core (which a
-# forked child must forget) and the moment its close is given up on at exit.
-_closing: dict[threading.Thread, tuple[_Forgettable, float]] = {}
+# forked child must forget), weakly: the close holds it while it runs, and a finished one
+# must not keep the core's memory, pinned pages included; and the moment its close is given
+# up on at exit.
+_closing: dict[threading.Thread, tuple[weakref.ref[_Forgettable], float]] = {}
 _dirs: set[_Removable] = set()
 # Reentrant: the SIGTERM handler runs on the main thread, possibly between the acquire and the
 # release of a track() it interrupted.
@@ -77,11 +79,12 @@ def closing(thread: threading.Thread, core: _Forgettable, wait: float) -> None:
     """A dropped store's loop ``thread`` closes ``core``: a forked child forgets the core
     (its spill files' descriptors), and exit waits for the thread up to ``wait`` seconds from
     now, as ``close()`` would have."""
+    # First, for a fork from another thread: the store is already out of the open ones.
+    _closing[thread] = (weakref.ref(core), time.monotonic() + wait)
     # copy(): a C-level copy, which no finalizer can interrupt to change the dict.
     for done in _closing.copy():
         if not done.is_alive():
             _closing.pop(done, None)
-    _closing[thread] = (core, time.monotonic() + wait)
 
 
 def track(directory: _Removable) -> None:
@@ -105,7 +108,7 @@ def _close_all() -> None:
         with contextlib.suppress(Exception):
             store._close_at_exit()
     _open.clear()
-    for thread, (_core, deadline) in _closing.copy().items():
+    for thread, (_core_ref, deadline) in _closing.copy().items():
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
     _closing.clear()
     # Directories of stores that were dropped without close().
@@ -127,9 +130,11 @@ def _after_fork_in_child() -> None:
         except Exception:
             log.exception("tierstore: after fork, could not forget the parent's %r", d)
     # Those threads were the parent's; their cores still hold the parent's spill files open.
-    for thread, (core, _deadline) in _closing.copy().items():
+    for thread, (core_ref, _deadline) in _closing.copy().items():
+        core = core_ref()
         try:
-            core.forget_after_fork()
+            if core is not None:
+                core.forget_after_fork()
         except Exception:
             log.exception("tierstore: after fork, could not forget a closing store's files")
         _closing.pop(thread, None)

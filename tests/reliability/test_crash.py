@@ -294,56 +294,68 @@ def test_sync_store_dropped_without_close_leaves_nothing_at_exit(disk_dir: Path)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
-def test_a_ctrl_c_that_lands_in_a_handles_finalizer_still_interrupts(disk_dir: Path) -> None:
-    """A SIGINT during a dropped handle's callback (mostly the write that wakes the store's
-    loop) raised KeyboardInterrupt inside the callback, where Python prints "Exception
-    ignored" and drops it: the training loop ran on. The application's handler raising it
-    there is modelled by the wake-up raising it once. The main thread must get it at once,
-    even in a sleep, without that handler running a second time, which is then back in
-    place; and the store must go on working."""
+def test_a_ctrl_c_that_arrives_while_c_code_frees_a_handle_still_interrupts(
+    disk_dir: Path,
+) -> None:
+    """A SIGINT that arrives while C code frees a handle (autograd freeing its graph) is
+    raised at the next Python instruction. With a Python weakref callback that was the
+    callback's first line, where Python prints "Exception ignored" and drops it: the training
+    loop ran on, and the entry, never queued for release, stayed until close. Modelled by
+    freeing a 256 MiB tensor (a long munmap) and then the handle, in one ``del``, while
+    another thread sends SIGINT; an attempt whose signal came after the free is repeated."""
     proc = _run(f"""
-        import signal, time, torch, tierstore
-        calls = []
-
-        def app_handler(signum, frame):
-            calls.append(signum)
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGINT, app_handler)
+        import signal, threading, time, torch, tierstore
+        torch.set_num_threads(1)
         store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, min_bytes=0)
-        h = store.put(torch.ones(1 << 10))
-        loop = store._core.loop
-        real = loop.call_soon_threadsafe
-        raised = []
+        main = threading.main_thread().ident
 
-        def interrupted(*args):
-            if not raised:
-                raised.append(True)
-                raise KeyboardInterrupt
-            return real(*args)
+        def free_time():
+            big = torch.ones(64 << 20)
+            started = time.monotonic()
+            del big
+            return time.monotonic() - started
 
-        loop.call_soon_threadsafe = interrupted
-        started = time.monotonic()
-        try:
+        for attempt in range(5):
+            took = free_time()
+            h = store.put(torch.ones(1 << 10))
+            doomed = [h, torch.ones(64 << 20)]  # freed last to first: the tensor, then h
             del h
-            time.sleep(10)
-            print("NOT INTERRUPTED", flush=True)
-        except KeyboardInterrupt:
-            print(f"INTERRUPTED after {{time.monotonic() - started:.2f}} s", flush=True)
-        print("HANDLER CALLS", len(calls), signal.getsignal(signal.SIGINT) is app_handler)
-        del loop.call_soon_threadsafe
-        assert store.stats().live_entries == 0
-        h2 = store.put(torch.full((1 << 10,), 2.0))
-        del h2
+            sent = []
+
+            def interrupt():
+                time.sleep(took / 4)
+                sent.append(time.monotonic())
+                signal.pthread_kill(main, signal.SIGINT)
+
+            killer = threading.Thread(target=interrupt)
+            killer.start()
+            started = time.monotonic()
+            try:
+                del doomed
+                # Python code after the free, as after a backward: a signal flagged during C
+                # code is raised at the next instruction (a single blocking call would defer
+                # it to its return, with or without a store).
+                for _ in range(500):
+                    time.sleep(0.01)
+                print("NOT INTERRUPTED", flush=True)
+                break
+            except KeyboardInterrupt:
+                landed = time.monotonic()
+            killer.join()
+            if sent[0] - started < 0.8 * took:  # the signal came during the free
+                print(f"INTERRUPTED after {{landed - started:.2f}} s", flush=True)
+                break
+        else:
+            print("INCONCLUSIVE", flush=True)
         deadline = time.monotonic() + 5
         while store._core.table.entries and time.monotonic() < deadline:
-            time.sleep(0.01)
-        print("DRAINED", not store._core.table.entries, flush=True)
+            time.sleep(0.01)  # no store call: the loop's poll releases it
+        print("RELEASED", not store._core.table.entries, flush=True)
         store.close()
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+    assert "INCONCLUSIVE" not in proc.stdout, proc.stdout
     interrupted = [line for line in proc.stdout.splitlines() if line.startswith("INTERRUPTED")]
     assert interrupted and float(interrupted[0].split()[2]) < 2.0, proc.stdout
-    assert "HANDLER CALLS 0 True" in proc.stdout, proc.stdout
-    assert "DRAINED True" in proc.stdout, proc.stdout
+    assert "RELEASED True" in proc.stdout, proc.stdout

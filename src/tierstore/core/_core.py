@@ -28,7 +28,7 @@ from tierstore.core._counters import Counters, tier_stats
 from tierstore.core._disk_room import DiskRoom
 from tierstore.core._disk_tier import open_disk_tier
 from tierstore.core._entries import Entry, EntryTable
-from tierstore.core._handles import Handles
+from tierstore.core._handles import DROPPED_POLL_SECONDS, Handles
 from tierstore.core._handoff import HandOff
 from tierstore.core._lock import StoreLock
 from tierstore.core._prefetch import PENDING, PrefetchWalk, newest_first_within
@@ -86,6 +86,7 @@ class StoreCore:
         self.warned_no_room = self.warned_copy = False
         self.table = EntryTable(self._spill_freed)
         self.handles = Handles(loop, next(_store_tokens), self._drain_dropped_soon)
+        self._polling_dropped = False
         self.counters = Counters()
         self.semaphore = SaveSemaphore(config.max_inflight_bytes)
         self.walk = PrefetchWalk()
@@ -177,6 +178,7 @@ class StoreCore:
             self.counters.puts += 1
             self.counters.bytes_put += nbytes
             handle = self.handles.new(e)
+            self._watch_dropped()
             try:
                 self.cascade(new=e)
             except TierFullError:
@@ -454,13 +456,30 @@ class StoreCore:
         """Release the entries of handles dropped since the last call (the lock held)."""
         dropped, entries = self.handles.dropped, self.table.entries
         while dropped:
-            e = entries.get(dropped.popleft())
+            item = dropped.popleft()
+            e = entries.get(item if isinstance(item, int) else item.key)
             if e is not None:
                 self._release(e)
 
     def _drain_dropped_soon(self) -> None:
         with self.lock:
             self.drain_dropped()
+
+    def _watch_dropped(self) -> None:
+        """Poll for dropped handles while entries exist (the lock held; Note: [Release from a
+        finalizer] in _handles.py)."""
+        if not self._polling_dropped:
+            self._polling_dropped = True
+            with contextlib.suppress(RuntimeError):  # the loop is closed: so is the store
+                self.loop.call_soon_threadsafe(self._poll_dropped)
+
+    def _poll_dropped(self) -> None:
+        with self.lock:
+            self.drain_dropped()
+            if self.table.entries and not self.closed:
+                self.loop.call_later(DROPPED_POLL_SECONDS, self._poll_dropped)
+            else:
+                self._polling_dropped = False
 
     def _spill_freed(self, key: int, footprint: int) -> None:
         if not self.closed:  # at close the engine deletes every file at once

@@ -1,33 +1,22 @@
 """The store's side of its handles: a weak reference each, whose death queues a release.
 
 Note: [Release from a finalizer]
-    Handles are released by their weak reference's callback when they are garbage-collected,
-    which can happen in any thread, even one that holds the store's lock at that moment. The
-    callback therefore only appends the key to a deque (atomic) and asks the loop to drain it
-    soon; every public operation drains it first too, so a caller never sees a released entry
-    counted.
-
-Note: [Ctrl-C in a finalizer]
-    A handle dies wherever its last reference goes, often on the main thread, between a
-    training loop's statements. A SIGINT that arrives while its callback runs raises
-    KeyboardInterrupt inside the callback, where Python prints "Exception ignored" and drops
-    it: the user's Ctrl-C did nothing. Most of the callback's time is the write that wakes the
-    loop, a system call that the signal interrupts. So the callback hands the interrupt back
-    to the main thread and leaves the drain scheduled or not, never half-way. It installs a
-    one-shot SIGINT handler that puts the previous one back and raises KeyboardInterrupt, and
-    a timer thread sends the main thread a real SIGINT a millisecond later, once the callback
-    has returned: a real signal breaks a sleep or a lock wait at once (flagging one with
-    ``_thread.interrupt_main()`` waits for the call to return), and the one-shot handler
-    keeps the application's own from running twice for one Ctrl-C (it ran already, and
-    raised the interrupt the callback caught).
+    Handles are released when they are garbage-collected, which can happen in any thread,
+    even one that holds the store's lock at that moment, and in the middle of any C code that
+    frees them (autograd freeing its graph). The weak reference's callback is therefore the
+    queue's own ``append``, a C function: it runs no Python, so it takes no lock, waits for
+    nothing, and cannot be where a signal lands. (A Python callback was: a Ctrl-C arriving
+    while C code freed a handle raised KeyboardInterrupt at the callback's first line, where
+    Python prints "Exception ignored" and drops it; the training loop ran on, and the entry,
+    never queued, stayed until close.) The store drains the queue first in every call, so a
+    caller never sees a released entry counted, and its loop polls it every
+    ``DROPPED_POLL_SECONDS`` while entries exist, for handles dropped with no call after.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import signal
-import threading
 import weakref
 from typing import TYPE_CHECKING
 
@@ -38,32 +27,17 @@ from tierstore.errors import TensorReleasedError
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable
-    from types import FrameType
 
     from tierstore.core._entries import Entry
 
-__all__ = ["DRAIN_DELAY_SECONDS", "HandleRef", "Handles"]
+__all__ = ["DRAIN_DELAY_SECONDS", "DROPPED_POLL_SECONDS", "HandleRef", "Handles"]
 
 DRAIN_DELAY_SECONDS = 0.005
-"""Dropped handles are released in batches: waking the loop thread for each one costs a GIL
-hand-off. Every store call drains the batch first anyway."""
-
-
-def _interrupt_again() -> None:
-    """Raise KeyboardInterrupt in the main thread again, soon, without calling the
-    application's SIGINT handler (Note: [Ctrl-C in a finalizer]). On the main thread."""
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is None:  # installed outside Python: the closest is the default
-        previous = signal.SIG_DFL
-
-    def once(signum: int, frame: FrameType | None) -> None:
-        signal.signal(signal.SIGINT, previous)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, once)
-    main = threading.main_thread().ident
-    assert main is not None
-    threading.Timer(0.001, signal.pthread_kill, (main, signal.SIGINT)).start()
+"""Releases queued from inside the store are applied in batches: waking the loop thread for
+each one costs a GIL hand-off. Every store call drains the batch first anyway."""
+DROPPED_POLL_SECONDS = 0.02
+"""How often the loop releases the entries of dropped handles while the store holds any, for
+handles dropped with no store call after them (Note: [Release from a finalizer])."""
 
 
 class HandleRef(weakref.ref[TensorHandle]):
@@ -89,11 +63,13 @@ class Handles:
         self._loop = loop
         self.token = token
         self._drain_soon = drain_soon
-        self.dropped: collections.deque[int] = collections.deque()
-        """Keys of handles that died and whose entries are not released yet."""
+        self.dropped: collections.deque[HandleRef | int] = collections.deque()
+        """The weak references of handles that died, and the keys of entries released from
+        inside the store, whose entries are not released yet."""
         self._scheduled = False
-        # One bound method for every handle's weakref, rather than a new one kept per handle.
-        self._dead = self._on_dead
+        # One bound method for every handle's weakref, rather than a new one kept per handle;
+        # a C function (Note: [Release from a finalizer]).
+        self._dead = self.dropped.append
 
     def new(self, e: Entry) -> TensorHandle:
         """The handle of ``e``, newly put; ``e`` keeps only a weak reference to it."""
@@ -124,34 +100,19 @@ class Handles:
         e = entries.get(handle.key)
         return e is not None and e.handle_ref is not None and e.handle_ref() is handle
 
-    def _on_dead(self, ref: HandleRef) -> None:
-        """Weakref callback of a handle (Note: [Release from a finalizer])."""
-        try:
-            # The key first, by a call into C: a signal is raised only after a call returns,
-            # so from here on the release is queued whatever the signal does.
-            self.dropped.append(ref.key)
-            self._schedule_drain()
-        except KeyboardInterrupt:  # Note: [Ctrl-C in a finalizer]
-            if threading.current_thread() is not threading.main_thread():
-                raise  # not a signal's: only the main thread gets those
-            _interrupt_again()
-
     def drop(self, key: int) -> None:
-        """Release ``key``'s entry soon, on the store's loop; takes no lock."""
+        """Release ``key``'s entry soon, on the store's loop; takes no lock (a release
+        asked for from inside the store)."""
         self.dropped.append(key)
         self._schedule_drain()
 
     def _schedule_drain(self) -> None:
         if not self._scheduled:
             self._scheduled = True
-            try:
-                with contextlib.suppress(RuntimeError):  # the loop is closed: close() drained
-                    self._loop.call_soon_threadsafe(
-                        self._loop.call_later, DRAIN_DELAY_SECONDS, self._drain_scheduled
-                    )
-            except BaseException:
-                self._scheduled = False  # the next drop schedules it; every call drains
-                raise
+            with contextlib.suppress(RuntimeError):  # the loop is closed: close() drained
+                self._loop.call_soon_threadsafe(
+                    self._loop.call_later, DRAIN_DELAY_SECONDS, self._drain_scheduled
+                )
 
     def _drain_scheduled(self) -> None:
         # Clear the flag before draining, so a handle dropped meanwhile schedules another.

@@ -108,3 +108,26 @@ async def test_a_capped_disk_tier_reserves_no_more_than_its_capacity(
         assert all([await reads_back(engine, k, t) for k, t in srcs.items()])
     finally:
         await engine.close()
+
+
+async def test_a_descriptor_closed_twice_closes_nothing_the_second_time(
+    engine: RawEngine,
+) -> None:
+    """A forked child forgets the spill files of a close its parent had under way, which may
+    have closed them already: the number, reused meanwhile, named another file (a pipe to
+    a data loader's worker), which the second close shut."""
+    await engine.write(1, random_bytes(CHUNK))
+    f = engine.files[0]
+    engine.files[0].writeback_fd()  # a per-thread descriptor too
+    number = f.fd
+    f.close_descriptor()
+    read_end, write_end = os.pipe()
+    try:
+        assert number in (read_end, write_end)  # the lowest free number, reused at once
+        f.close_descriptor()
+        os.write(write_end, b"x")
+        assert os.read(read_end, 1) == b"x"
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    await engine.close()

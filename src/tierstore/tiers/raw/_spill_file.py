@@ -139,8 +139,14 @@ class SpillFile:
         return fd
 
     def close_descriptor(self) -> None:
-        """Close the file's descriptors, leaving the file (errors ignored)."""
-        fds, self._check_fds = [self.fd, *self._check_fds.values()], {}
+        """Close the file's descriptors, leaving the file (errors ignored); a second call
+        closes nothing.
+
+        Once only: a forked child forgets the files of a close the parent had under way, and
+        a number closed twice may meanwhile name another file of the process's.
+        """
+        fds = [fd for fd in (self.fd, *self._check_fds.values()) if fd >= 0]
+        self.fd, self._check_fds = -1, {}
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
