@@ -713,3 +713,51 @@ def test_exit_waits_for_a_dropped_stores_close_as_long_as_close_would() -> None:
     """)
     assert "joined slow True gave up on stuck True" in out, out
     assert float(out.split("after ")[1]) < 5, out
+
+
+def test_a_fork_in_the_middle_of_closing_the_spill_files_leaves_the_child_none(
+    disk_dir: Path,
+) -> None:
+    """Note: [Descriptors across fork]: closing the descriptors marked them gone first and
+    closed them one by one, each close letting other threads run; a fork in between left the
+    child holding the rest, the parent's spill file, whose space stayed allocated until the
+    child exited. Each close here is slowed so that the fork comes in the middle."""
+    out = _python(f"""
+        import os, threading, time, torch, tierstore
+        torch.set_num_threads(1)
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
+                                      min_bytes=0, direct_io="off")
+        h = store.put(torch.ones(1 << 20))
+        while store.stats().inflight_bytes:
+            time.sleep(0.01)
+        f = store._core.disk.engine.files[0]
+        for _ in range(4):  # per-thread descriptors too, as the I/O threads take them
+            t = threading.Thread(target=f.writeback_fd)
+            t.start()
+            t.join()
+        real_close, inside = os.close, threading.Event()
+
+        def slow_close(fd):
+            real_close(fd)
+            inside.set()
+            time.sleep(0.05)
+
+        os.close = slow_close
+        closer = threading.Thread(target=f.close_descriptor)
+        closer.start()
+        inside.wait()
+        pid = os.fork()
+        if pid == 0:
+            held = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    held += [os.readlink(f"/proc/self/fd/{{fd}}")]
+                except OSError:
+                    pass
+            print("child holds", [p for p in held if p.endswith("spill.raw")], flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        closer.join()
+        os.close = real_close
+    """)
+    assert "child holds []" in out, out

@@ -1632,3 +1632,62 @@ def test_an_async_store_called_from_inside_itself_never_enters_twice(
     assert not done.is_alive(), "a call from inside the store waited on itself"
     assert len(seen) == 1 and "opening it" in str(seen[0])
     assert list(disk_dir.iterdir()) == []
+
+
+def test_an_idle_store_polls_for_dropped_handles_rarely_and_still_releases_them(
+    make_store: MakeStore,
+) -> None:
+    """Handles dropped with no store call after them are released by the loop's poll. It ran
+    every 20 ms for as long as any entry existed: 50 wake-ups a second of the loop thread,
+    the store's lock and the GIL, for a store left holding one tensor. It now backs off to
+    once a second while nothing is dropped."""
+    store = make_store(min_bytes=0)
+    core = store._core
+    assert core is not None
+    kept = store.put(torch.ones(16))
+    ticks: list[float] = []
+    real = core._poll_dropped
+
+    def counted() -> None:
+        ticks.append(time.monotonic())
+        real()
+
+    core._poll_dropped = counted  # type: ignore[method-assign]
+    time.sleep(3.0)
+    assert len(ticks) <= 12, f"{len(ticks)} wake-ups in 3 s of idling"
+    dropped = store.put(torch.ones(16))
+    key = dropped.key
+    del dropped
+    deadline = time.monotonic() + 3
+    while key in core.table.entries and time.monotonic() < deadline:
+        time.sleep(0.01)  # no store call: only the poll releases it
+    assert key not in core.table.entries
+    assert store.get(kept).sum().item() == 16
+
+
+def test_a_drain_that_raises_does_not_end_the_polling(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = make_store(min_bytes=0)
+    core = store._core
+    assert core is not None
+    real = core._release
+    broke: list[bool] = []
+
+    def breaks_once(e: Any) -> None:
+        if not broke:
+            broke.append(True)
+            raise RuntimeError("a release that failed")
+        real(e)
+
+    core._release = breaks_once  # type: ignore[method-assign]
+    hs = [store.put(torch.ones(16)) for _ in range(3)]
+    with caplog.at_level(logging.ERROR):
+        del hs[0]
+        wait_for(lambda: bool(broke))
+        keys = [h.key for h in hs]
+        hs.clear()
+        deadline = time.monotonic() + 5
+        while any(k in core.table.entries for k in keys) and time.monotonic() < deadline:
+            time.sleep(0.01)  # no store call: only the poll releases them
+    assert not any(k in core.table.entries for k in keys)

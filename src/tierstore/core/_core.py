@@ -28,7 +28,7 @@ from tierstore.core._counters import Counters, tier_stats
 from tierstore.core._disk_room import DiskRoom
 from tierstore.core._disk_tier import open_disk_tier
 from tierstore.core._entries import Entry, EntryTable
-from tierstore.core._handles import DROPPED_POLL_SECONDS, Handles
+from tierstore.core._handles import DROPPED_POLL_MAX_SECONDS, DROPPED_POLL_SECONDS, Handles
 from tierstore.core._handoff import HandOff
 from tierstore.core._lock import StoreLock
 from tierstore.core._prefetch import PENDING, PrefetchWalk, newest_first_within
@@ -87,6 +87,7 @@ class StoreCore:
         self.table = EntryTable(self._spill_freed)
         self.handles = Handles(loop, next(_store_tokens), self._drain_dropped_soon)
         self._polling_dropped = False
+        self._poll_every = DROPPED_POLL_SECONDS
         self.counters = Counters()
         self.semaphore = SaveSemaphore(config.max_inflight_bytes)
         self.walk = PrefetchWalk()
@@ -466,20 +467,35 @@ class StoreCore:
             self.drain_dropped()
 
     def _watch_dropped(self) -> None:
-        """Poll for dropped handles while entries exist (the lock held; Note: [Release from a
-        finalizer] in _handles.py)."""
+        """Poll for dropped handles while entries exist, every ``DROPPED_POLL_SECONDS`` from
+        now on (the lock held; Note: [Release from a finalizer] in _handles.py)."""
+        self._poll_every = DROPPED_POLL_SECONDS
         if not self._polling_dropped:
             self._polling_dropped = True
             with contextlib.suppress(RuntimeError):  # the loop is closed: so is the store
                 self.loop.call_soon_threadsafe(self._poll_dropped)
 
     def _poll_dropped(self) -> None:
-        with self.lock:
-            self.drain_dropped()
-            if self.table.entries and not self.closed:
-                self.loop.call_later(DROPPED_POLL_SECONDS, self._poll_dropped)
-            else:
-                self._polling_dropped = False
+        # An idle store backs off, doubling the wait up to DROPPED_POLL_MAX_SECONDS while
+        # nothing is dropped: a loop woken 50 times a second for a tensor held for the night
+        # costs CPU, and every call drains anyway. A put or a drain resets it.
+        drained = False
+        try:
+            if self.handles.dropped:  # read without the lock: most ticks find nothing
+                with self.lock:
+                    drained = True
+                    self.drain_dropped()
+        finally:  # a drain that raised must not end the polling
+            with self.lock:
+                if self.table.entries and not self.closed:
+                    self._poll_every = (
+                        DROPPED_POLL_SECONDS
+                        if drained
+                        else min(2 * self._poll_every, DROPPED_POLL_MAX_SECONDS)
+                    )
+                    self.loop.call_later(self._poll_every, self._poll_dropped)
+                else:
+                    self._polling_dropped = False
 
     def _spill_freed(self, key: int, footprint: int) -> None:
         if not self.closed:  # at close the engine deletes every file at once

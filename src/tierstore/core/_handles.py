@@ -9,8 +9,9 @@ Note: [Release from a finalizer]
     while C code freed a handle raised KeyboardInterrupt at the callback's first line, where
     Python prints "Exception ignored" and drops it; the training loop ran on, and the entry,
     never queued, stayed until close.) The store drains the queue first in every call, so a
-    caller never sees a released entry counted, and its loop polls it every
-    ``DROPPED_POLL_SECONDS`` while entries exist, for handles dropped with no call after.
+    caller never sees a released entry counted, and its loop polls it while entries exist, for
+    handles dropped with no call after: every ``DROPPED_POLL_SECONDS`` after a put or a
+    release, backing off to once a second while nothing is dropped.
 """
 
 from __future__ import annotations
@@ -30,14 +31,23 @@ if TYPE_CHECKING:
 
     from tierstore.core._entries import Entry
 
-__all__ = ["DRAIN_DELAY_SECONDS", "DROPPED_POLL_SECONDS", "HandleRef", "Handles"]
+__all__ = [
+    "DRAIN_DELAY_SECONDS",
+    "DROPPED_POLL_MAX_SECONDS",
+    "DROPPED_POLL_SECONDS",
+    "HandleRef",
+    "Handles",
+]
 
 DRAIN_DELAY_SECONDS = 0.005
 """Releases queued from inside the store are applied in batches: waking the loop thread for
 each one costs a GIL hand-off. Every store call drains the batch first anyway."""
 DROPPED_POLL_SECONDS = 0.02
 """How often the loop releases the entries of dropped handles while the store holds any, for
-handles dropped with no store call after them (Note: [Release from a finalizer])."""
+handles dropped with no store call after them (Note: [Release from a finalizer]), after a put
+or a release; an idle store waits twice as long each time, up to
+``DROPPED_POLL_MAX_SECONDS``."""
+DROPPED_POLL_MAX_SECONDS = 1.0
 
 
 class HandleRef(weakref.ref[TensorHandle]):

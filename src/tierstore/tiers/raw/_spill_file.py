@@ -27,6 +27,21 @@ GROW_MAX = 1 << 30
 # the disk tier's capacity, and past that, or near a full disk, grows by exactly what the blob
 # needs before giving up with ENOSPC.
 
+# Note: [Descriptors across fork]
+#     A forked child closes its copies of the spill files' descriptors (forget_after_fork),
+#     whatever the parent does with the files. A fork in the middle of closing them (marked
+#     gone, not all closed yet: os.close lets other threads run) or of opening one (open, not
+#     yet recorded) left the child holding the parent's file, whose space then stayed
+#     allocated until the child exited. So descriptors are recorded and opened, or forgotten
+#     and closed, under this lock, which a fork takes first. Reentrant: in the child the
+#     forking thread still holds it while the registry's at-fork hook closes them.
+_descriptors = threading.RLock()
+os.register_at_fork(
+    before=_descriptors.acquire,
+    after_in_parent=_descriptors.release,
+    after_in_child=_descriptors.release,
+)
+
 
 class SpillFile:
     """One spill file: its descriptor, whether it is open with O_DIRECT, and its extents.
@@ -47,7 +62,8 @@ class SpillFile:
         self.path = directory / SPILL_FILE
         self.reserve_limit = reserve_limit
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        self.fd = os.open(self.path, flags | (O_DIRECT if direct else 0), 0o600)
+        with _descriptors:  # Note: [Descriptors across fork]
+            self.fd = os.open(self.path, flags | (O_DIRECT if direct else 0), 0o600)
         if not direct:
             # Reads are whole chunks already; readahead would only pull neighbouring extents
             # into the page cache, which spilling is meant to empty.
@@ -59,10 +75,9 @@ class SpillFile:
         """The last growth failed with ENOSPC/EDQUOT (Note: [A full directory is skipped])."""
         self.warned_full = False
         self._check_fds: dict[int, int] = {}
-        """Each I/O thread's own descriptor, by thread: only that thread adds its entry (one
-        dict store, atomic), and only ``close_descriptor`` reads them all, once the threads
-        have stopped or in a forked child. No lock: one held by a thread when another forks
-        would stay held in the child, whose reset closes these."""
+        """Each I/O thread's own descriptor, by thread: only that thread adds its entry, and
+        only ``close_descriptor`` reads them all, once the threads have stopped or in a
+        forked child (Note: [Descriptors across fork])."""
 
     def free_space(self) -> int:
         """Bytes the filesystem of this file's directory has free for this user."""
@@ -130,12 +145,13 @@ class SpillFile:
         me = threading.get_ident()
         fd = self._check_fds.get(me)
         if fd is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            opened, own = os.fstat(fd), os.fstat(self.fd)
-            if (opened.st_dev, opened.st_ino) != (own.st_dev, own.st_ino):
-                os.close(fd)
-                raise OSError(errno.ESTALE, f"{self.path} is no longer the spill file")
-            self._check_fds[me] = fd
+            with _descriptors:  # Note: [Descriptors across fork]
+                fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                opened, own = os.fstat(fd), os.fstat(self.fd)
+                if (opened.st_dev, opened.st_ino) != (own.st_dev, own.st_ino):
+                    os.close(fd)
+                    raise OSError(errno.ESTALE, f"{self.path} is no longer the spill file")
+                self._check_fds[me] = fd
         return fd
 
     def close_descriptor(self) -> None:
@@ -143,13 +159,15 @@ class SpillFile:
         closes nothing.
 
         Once only: a forked child forgets the files of a close the parent had under way, and
-        a number closed twice may meanwhile name another file of the process's.
+        a number closed twice may meanwhile name another file of the process's. Under the
+        lock a fork takes first (Note: [Descriptors across fork]).
         """
-        fds = [fd for fd in (self.fd, *self._check_fds.values()) if fd >= 0]
-        self.fd, self._check_fds = -1, {}
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with _descriptors:
+            fds = [fd for fd in (self.fd, *self._check_fds.values()) if fd >= 0]
+            self.fd, self._check_fds = -1, {}
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def close(self) -> None:
         """Close and remove the file (errors ignored: it is the process's own scratch)."""
