@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -639,6 +640,54 @@ def test_a_full_striped_directory_is_skipped_without_root(
             wait_for(lambda: store.tier_of(hs[-1]) is tierstore.Tier.DISK)
             assert spill_a.stat().st_size > 0
             for h, t in zip(hs, [*tensors, more], strict=True):
+                assert torch.equal(store.get(h), t)
+        finally:
+            store.close()
+
+
+def test_a_striped_directory_over_its_quota_is_not_retried_at_every_placement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EDQUOT: the filesystem shows free space (statvfs does not see a quota), so a directory
+    marked full was tried again at every placement, a failed fallocate and a log line each.
+    It is now skipped for QUOTA_RETRY_SECONDS, then tried once."""
+    import errno
+
+    from tierstore.tiers.raw import _striping
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    real_fallocate = os.posix_fallocate
+    refused: list[int] = []
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(f"{a}/"):
+            refused.append(length)
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+        real_fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(_striping, "QUOTA_RETRY_SECONDS", 0.5)
+    with caplog.at_level(logging.INFO, logger="tierstore"):
+        store = TieredStore(disk_dir=[a, b], host_bytes=0, min_bytes=0, io_chunk_bytes="1MiB")
+        try:
+            tensors = [torch.randn(3 * MiB // 8 + i) for i in range(8)]
+            hs = [store.put(t) for t in tensors]
+            wait_for(lambda: all(store.tier_of(h) is tierstore.Tier.DISK for h in hs))
+            first = len(refused)  # each blob placed before the first refusal tried it
+            assert first >= 1
+            more = [torch.randn(3 * MiB // 8) for _ in range(4)]
+            hs += [store.put(t) for t in more]
+            wait_for(lambda: all(store.tier_of(h) is tierstore.Tier.DISK for h in hs))
+            assert len(refused) == first, "the quota-full directory was retried at once"
+            time.sleep(0.6)
+            late = torch.randn(3 * MiB // 8)
+            hs.append(store.put(late))
+            wait_for(lambda: store.tier_of(hs[-1]) is tierstore.Tier.DISK)
+            assert len(refused) > first  # tried again after the pause
+            assert store.stats().write_errors == 0
+            for h, t in zip(hs, [*tensors, *more, late], strict=True):
                 assert torch.equal(store.get(h), t)
         finally:
             store.close()

@@ -73,6 +73,8 @@ class SpillFile:
         self.grow_lock = threading.Lock()
         self.full = False
         """The last growth failed with ENOSPC/EDQUOT (Note: [A full directory is skipped])."""
+        self.quota_full_at: float | None = None
+        """When it failed with EDQUOT, which the filesystem's free space does not show."""
         self.warned_full = False
         self._check_fds: dict[int, int] = {}
         """Each I/O thread's own descriptor, by thread: only that thread adds its entry, and

@@ -4,7 +4,9 @@ directory used, full directories skipped."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from tierstore.tiers._engine import DISK_FULL
@@ -16,7 +18,11 @@ if TYPE_CHECKING:
 
     from tierstore.tiers.raw._spill_file import SpillFile
 
-__all__ = ["Striping"]
+__all__ = ["QUOTA_RETRY_SECONDS", "Striping"]
+
+QUOTA_RETRY_SECONDS = 10.0
+"""How long a directory whose spill file hit its user's quota is skipped before it is tried
+again (Note: [A full directory is skipped])."""
 
 log = logging.getLogger("tierstore")
 
@@ -143,13 +149,24 @@ class Striping:
             the space returns). A full directory is tried again once its filesystem has room
             for a chunk, or its spill file has free extents for one; until then its chunks
             go to the others. The store's free-space check sums every directory, and a full
-            one adds about nothing to that sum.
+            one adds about nothing to that sum. After EDQUOT the filesystem's free space says
+            nothing (``statvfs`` does not see a quota, and every placement retried the
+            directory): it is tried again after ``QUOTA_RETRY_SECONDS``, or once its file
+            has the room.
         """
         order = []
+        now = time.monotonic()
         for d in rotation:
             f = self.files[d]
-            if f.full and (f.extents.free_bytes >= least or f.free_space() >= least):
-                f.full = False
+            if f.full and (
+                f.extents.free_bytes >= least
+                or (
+                    f.free_space() >= least
+                    if f.quota_full_at is None
+                    else now - f.quota_full_at >= QUOTA_RETRY_SECONDS
+                )
+            ):
+                f.full, f.quota_full_at = False, None
                 log.info("tierstore: spill directory %s has room again", f.path.parent)
             if not f.full:
                 order.append(d)
@@ -159,6 +176,7 @@ class Striping:
     def _mark_full(self, index: int, error: OSError, others: bool) -> None:
         f = self.files[index]
         f.full = True
+        f.quota_full_at = time.monotonic() if error.errno == errno.EDQUOT else None
         if others and not f.warned_full:
             f.warned_full = True
             log.warning(
