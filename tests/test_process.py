@@ -607,7 +607,6 @@ def test_module_locks_are_made_anew_in_a_forked_child() -> None:
     renewed_by_their_module = {
         "tierstore._registry._dirs_lock",
         "tierstore._spilldir._held_lock",
-        "tierstore.tiers.raw._spill_file._descriptors",
     }
     plain = (type(threading.Lock()), type(threading.RLock()))
     found = []
@@ -725,7 +724,9 @@ def test_a_fork_in_the_middle_of_closing_the_spill_files_leaves_the_child_none(
     """Note: [Descriptors across fork]: closing the descriptors marked them gone first and
     closed them one by one, each close letting other threads run; a fork in between left the
     child holding the rest, the parent's spill file, whose space stayed allocated until the
-    child exited. Each close here is slowed so that the fork comes in the middle."""
+    child exited. Each close here is slowed so that the fork comes in the middle; the fork
+    must not wait for the close either (a lock it waited on lost a Ctrl-C pressed meanwhile
+    and hung the child)."""
     out = _python(f"""
         import os, threading, time, torch, tierstore
         torch.set_num_threads(1)
@@ -743,14 +744,18 @@ def test_a_fork_in_the_middle_of_closing_the_spill_files_leaves_the_child_none(
 
         def slow_close(fd):
             real_close(fd)
-            inside.set()
-            time.sleep(0.05)
+            if threading.current_thread() is not threading.main_thread():
+                inside.set()
+                time.sleep(0.5)
 
         os.close = slow_close
         closer = threading.Thread(target=f.close_descriptor)
         closer.start()
         inside.wait()
+        started = time.monotonic()
         pid = os.fork()
+        if pid != 0:
+            print(f"fork took {{time.monotonic() - started:.2f}} s", flush=True)
         if pid == 0:
             held = []
             for fd in os.listdir("/proc/self/fd"):
@@ -765,3 +770,52 @@ def test_a_fork_in_the_middle_of_closing_the_spill_files_leaves_the_child_none(
         os.close = real_close
     """)
     assert "child holds []" in out, out
+    assert float(out.split("fork took ")[1].split()[0]) < 0.4, out
+
+
+def test_a_lock_number_the_parent_closed_and_reused_is_not_closed_in_the_child(
+    disk_dir: Path,
+) -> None:
+    """Note: [Descriptors across fork]: a fork while the parent closed a spill directory's
+    lock file, its number reused at once by the pipe a data loader makes just before it forks
+    a worker. The child's reset closed that number again, the pipe, and the worker died
+    with EBADF (exit code 1, no traceback)."""
+    out = _python(f"""
+        import os, threading, time, torch, tierstore
+        torch.set_num_threads(1)
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0, host_bytes=0,
+                                      min_bytes=0, direct_io="off")
+        h = store.put(torch.ones(1 << 18))
+        while store.stats().inflight_bytes:
+            time.sleep(0.01)
+        lock_fd = store._core.disk_tier.dirs[0]._lock_fd
+        lock_file = os.readlink(f"/proc/self/fd/{{lock_fd}}")
+        real_close, closed = os.close, threading.Event()
+
+        def close_then_pause(fd):
+            real_close(fd)
+            if fd == lock_fd and threading.current_thread().name == "tierstore-loop":
+                closed.set()
+                time.sleep(1.0)
+
+        os.close = close_then_pause
+        closer = threading.Thread(target=store.close)
+        closer.start()
+        closed.wait()
+        r, w = os.pipe()  # as multiprocessing's fork start does right before it forks
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.fstat(r), os.fstat(w)
+                links = [os.readlink(f"/proc/self/fd/{{n}}") for n in os.listdir("/proc/self/fd")
+                         if os.path.exists(f"/proc/self/fd/{{n}}")]
+                print("child pipe intact; holds the lock file", lock_file in links, flush=True)
+            except OSError as exc:
+                print("child pipe closed:", exc, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        closer.join()
+        os.close = real_close
+        print("reused", lock_fd in (r, w), flush=True)
+    """)
+    assert "child pipe intact; holds the lock file False" in out, out

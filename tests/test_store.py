@@ -1655,13 +1655,16 @@ def test_an_idle_store_polls_for_dropped_handles_rarely_and_still_releases_them(
     core._poll_dropped = counted  # type: ignore[method-assign]
     time.sleep(3.0)
     assert len(ticks) <= 12, f"{len(ticks)} wake-ups in 3 s of idling"
-    dropped = store.put(torch.ones(16))
+    seen = len(ticks)
+    wait_for(lambda: len(ticks) > seen)  # a tick just passed: the next is a second away
+    dropped = store.put(torch.ones(16))  # a put brings the next poll forward
     key = dropped.key
     del dropped
-    deadline = time.monotonic() + 3
-    while key in core.table.entries and time.monotonic() < deadline:
-        time.sleep(0.01)  # no store call: only the poll releases it
+    started = time.monotonic()
+    while key in core.table.entries and time.monotonic() < started + 3:
+        time.sleep(0.005)  # no store call: only the poll releases it
     assert key not in core.table.entries
+    assert time.monotonic() - started < 0.3, "the poll stayed backed off after a put"
     assert store.get(kept).sum().item() == 16
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from tierstore import _registry
 from tierstore._fork_safe_lock import ForkSafeLock
+from tierstore._inherited import Identity, close_copies, identity_of
 from tierstore._libc import libc_function
 from tierstore.errors import ConfigError
 
@@ -284,6 +285,7 @@ class SpillDirectory:
         """
         check_parent(parent)
         self._lock_fd: int | None = None
+        self._lock_identity: Identity | None = None
         with _parent_locked(parent, sweep=False):
             # mkdir fails if the name exists, so a pre-created directory or symlink is never
             # used; a taken name (planted by someone guessing it, or a PID reused after a
@@ -309,9 +311,10 @@ class SpillDirectory:
                         os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
                         0o600,
                     )
+                    self._lock_identity = identity_of(self._lock_fd)
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BaseException as exc:
-                self.forget()
+                self._unlock()
                 shutil.rmtree(self.path, ignore_errors=True)
                 if isinstance(exc, OSError):
                     raise self._cannot_create(parent, exc) from None
@@ -335,15 +338,24 @@ class SpillDirectory:
             shutil.rmtree(self.path, ignore_errors=True)
             if not os.path.lexists(self.path):
                 break
-        self.forget()
+        self._unlock()
+
+    def _unlock(self) -> None:
+        """Close the lock's descriptor (this process's own), and stop tracking the directory."""
+        _registry.untrack(self)
+        fd, self._lock_fd = self._lock_fd, None  # first: closed once, whatever interrupts
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def forget(self) -> None:
-        """Drop the lock without deleting (a forked child must not keep its parent's lock)."""
+        """In a forked child: drop the parent's lock without deleting anything, closing every
+        copy of the lock file's descriptor by the file it refers to (Note: [Descriptors
+        across fork] in ``_inherited.py``)."""
         _registry.untrack(self)
-        if self._lock_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._lock_fd)
-            self._lock_fd = None
+        fd, self._lock_fd = self._lock_fd, None
+        if self._lock_identity is not None:
+            close_copies(self._lock_identity, [fd] if fd is not None else [])
 
 
 def sweep_stale(parent: Path) -> list[Path]:

@@ -88,6 +88,7 @@ class StoreCore:
         self.handles = Handles(loop, next(_store_tokens), self._drain_dropped_soon)
         self._polling_dropped = False
         self._poll_every = DROPPED_POLL_SECONDS
+        self._poll_timer: asyncio.TimerHandle | None = None
         self.counters = Counters()
         self.semaphore = SaveSemaphore(config.max_inflight_bytes)
         self.walk = PrefetchWalk()
@@ -469,11 +470,23 @@ class StoreCore:
     def _watch_dropped(self) -> None:
         """Poll for dropped handles while entries exist, every ``DROPPED_POLL_SECONDS`` from
         now on (the lock held; Note: [Release from a finalizer] in _handles.py)."""
+        backed_off = self._poll_every > DROPPED_POLL_SECONDS
         self._poll_every = DROPPED_POLL_SECONDS
-        if not self._polling_dropped:
+        if not self._polling_dropped or backed_off:
+            start = not self._polling_dropped
             self._polling_dropped = True
             with contextlib.suppress(RuntimeError):  # the loop is closed: so is the store
-                self.loop.call_soon_threadsafe(self._poll_dropped)
+                self.loop.call_soon_threadsafe(
+                    self._poll_dropped if start else self._poll_dropped_sooner
+                )
+
+    def _poll_dropped_sooner(self) -> None:
+        """The poll backed off while the store idled: bring the next one forward."""
+        with self.lock:
+            timer = self._poll_timer
+            if timer is not None and timer.when() - self.loop.time() > DROPPED_POLL_SECONDS:
+                timer.cancel()
+                self._poll_timer = self.loop.call_later(self._poll_every, self._poll_dropped)
 
     def _poll_dropped(self) -> None:
         # An idle store backs off, doubling the wait up to DROPPED_POLL_MAX_SECONDS while
@@ -493,9 +506,9 @@ class StoreCore:
                         if drained
                         else min(2 * self._poll_every, DROPPED_POLL_MAX_SECONDS)
                     )
-                    self.loop.call_later(self._poll_every, self._poll_dropped)
+                    self._poll_timer = self.loop.call_later(self._poll_every, self._poll_dropped)
                 else:
-                    self._polling_dropped = False
+                    self._polling_dropped, self._poll_timer = False, None
 
     def _spill_freed(self, key: int, footprint: int) -> None:
         if not self.closed:  # at close the engine deletes every file at once

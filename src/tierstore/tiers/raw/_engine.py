@@ -297,7 +297,7 @@ class RawEngine(DiskEngine):
     def forget_after_fork(self) -> None:
         """In a forked child: close the spill files' descriptors; the files stay the parent's."""
         for f in self._files:
-            f.close_descriptor()
+            f.forget_in_child()
 
     def describe(self) -> dict[str, object]:
         """Direct I/O per directory, chunking, threads and checksum, for ``tierstore info``."""

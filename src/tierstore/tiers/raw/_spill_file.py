@@ -8,6 +8,7 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
+from tierstore._inherited import close_copies, identity_of
 from tierstore.tiers._engine import DISK_FULL, free_space
 from tierstore.tiers.raw._extents import Extents
 from tierstore.tiers.raw._syscalls import O_DIRECT, pad
@@ -26,21 +27,6 @@ GROW_MAX = 1 << 30
 # spill, little unused reservation for a small one. It reserves ahead only up to its share of
 # the disk tier's capacity, and past that, or near a full disk, grows by exactly what the blob
 # needs before giving up with ENOSPC.
-
-# Note: [Descriptors across fork]
-#     A forked child closes its copies of the spill files' descriptors (forget_after_fork),
-#     whatever the parent does with the files. A fork in the middle of closing them (marked
-#     gone, not all closed yet: os.close lets other threads run) or of opening one (open, not
-#     yet recorded) left the child holding the parent's file, whose space then stayed
-#     allocated until the child exited. So descriptors are recorded and opened, or forgotten
-#     and closed, under this lock, which a fork takes first. Reentrant: in the child the
-#     forking thread still holds it while the registry's at-fork hook closes them.
-_descriptors = threading.RLock()
-os.register_at_fork(
-    before=_descriptors.acquire,
-    after_in_parent=_descriptors.release,
-    after_in_child=_descriptors.release,
-)
 
 
 class SpillFile:
@@ -62,8 +48,8 @@ class SpillFile:
         self.path = directory / SPILL_FILE
         self.reserve_limit = reserve_limit
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        with _descriptors:  # Note: [Descriptors across fork]
-            self.fd = os.open(self.path, flags | (O_DIRECT if direct else 0), 0o600)
+        self.fd = os.open(self.path, flags | (O_DIRECT if direct else 0), 0o600)
+        self._identity = identity_of(self.fd)
         if not direct:
             # Reads are whole chunks already; readahead would only pull neighbouring extents
             # into the page cache, which spilling is meant to empty.
@@ -77,9 +63,9 @@ class SpillFile:
         """When it failed with EDQUOT, which the filesystem's free space does not show."""
         self.warned_full = False
         self._check_fds: dict[int, int] = {}
-        """Each I/O thread's own descriptor, by thread: only that thread adds its entry, and
-        only ``close_descriptor`` reads them all, once the threads have stopped or in a
-        forked child (Note: [Descriptors across fork])."""
+        """Each I/O thread's own descriptor, by thread: only that thread adds its entry (one
+        dict store, atomic), and only ``close_descriptor`` reads them all, once the threads
+        have stopped. No lock: a fork does not wait (Note: [Descriptors across fork])."""
 
     def free_space(self) -> int:
         """Bytes the filesystem of this file's directory has free for this user."""
@@ -147,29 +133,28 @@ class SpillFile:
         me = threading.get_ident()
         fd = self._check_fds.get(me)
         if fd is None:
-            with _descriptors:  # Note: [Descriptors across fork]
-                fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-                opened, own = os.fstat(fd), os.fstat(self.fd)
-                if (opened.st_dev, opened.st_ino) != (own.st_dev, own.st_ino):
-                    os.close(fd)
-                    raise OSError(errno.ESTALE, f"{self.path} is no longer the spill file")
-                self._check_fds[me] = fd
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if identity_of(fd) != self._identity:
+                os.close(fd)
+                raise OSError(errno.ESTALE, f"{self.path} is no longer the spill file")
+            self._check_fds[me] = fd
         return fd
 
     def close_descriptor(self) -> None:
         """Close the file's descriptors, leaving the file (errors ignored); a second call
-        closes nothing.
+        closes nothing (a number closed twice may name another file by then)."""
+        fds = [fd for fd in (self.fd, *self._check_fds.values()) if fd >= 0]
+        self.fd, self._check_fds = -1, {}
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
-        Once only: a forked child forgets the files of a close the parent had under way, and
-        a number closed twice may meanwhile name another file of the process's. Under the
-        lock a fork takes first (Note: [Descriptors across fork]).
-        """
-        with _descriptors:
-            fds = [fd for fd in (self.fd, *self._check_fds.values()) if fd >= 0]
-            self.fd, self._check_fds = -1, {}
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+    def forget_in_child(self) -> None:
+        """In a forked child: close every descriptor of this file it inherited, found by the
+        file they refer to, not by number (Note: [Descriptors across fork])."""
+        known = [fd for fd in (self.fd, *self._check_fds.values()) if fd >= 0]
+        self.fd, self._check_fds = -1, {}
+        close_copies(self._identity, known)
 
     def close(self) -> None:
         """Close and remove the file (errors ignored: it is the process's own scratch)."""

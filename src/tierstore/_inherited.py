@@ -1,0 +1,55 @@
+"""Closing, in a forked child, the descriptors it inherited of one file.
+
+Note: [Descriptors across fork]
+    A forked child closes its copies of its parent's spill files and lock files, whose space
+    and locks stay the parent's. By number, that failed both ways when the fork came while
+    another thread of the parent was opening or closing one (``os.open`` and ``os.close`` let
+    other threads run): a number not yet recorded, or recorded as closed before it was, stayed
+    open in the child, holding the parent's file (its space allocated, its lock alive) until
+    the child exited; and a number the parent had closed and reused since (the pipe a data
+    loader makes just before it forks a worker) was closed under the child, whose start then
+    failed with EBADF. So the child closes descriptors by what they point to: every one whose
+    device and inode are the file's. No lock is involved: one that fork waited for lost a
+    Ctrl-C pressed meanwhile and could hang the child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+__all__ = ["Identity", "close_copies", "identity_of"]
+
+Identity = tuple[int, int]
+"""A file's device and inode."""
+
+
+def identity_of(fd: int) -> Identity:
+    """The device and inode of the file ``fd`` refers to.
+
+    Raises:
+        OSError: ``fd`` is not open.
+    """
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def close_copies(identity: Identity, known: Iterable[int] = ()) -> None:
+    """Close every descriptor of this process that refers to the file ``identity`` (errors
+    ignored); where ``/proc/self/fd`` cannot be listed, only those among ``known`` that do."""
+    try:
+        numbers = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        numbers = list(known)
+    for fd in numbers:
+        try:
+            if identity_of(fd) != identity:
+                continue
+        except OSError:
+            continue  # closed meanwhile, or the listing's own descriptor
+        with contextlib.suppress(OSError):
+            os.close(fd)
