@@ -819,3 +819,33 @@ def test_a_lock_number_the_parent_closed_and_reused_is_not_closed_in_the_child(
         print("reused", lock_fd in (r, w), flush=True)
     """)
     assert "child pipe intact; holds the lock file False" in out, out
+
+
+def test_a_file_being_created_in_a_spill_directory_at_the_fork_is_closed_in_the_child(
+    disk_dir: Path,
+) -> None:
+    """A spill file opened but not yet recorded by its engine when another thread forks (a
+    store starting while a data loader starts its workers) stayed open in the child, holding
+    the parent's file: the child closes whatever it holds inside the parent's private spill
+    directories (Note: [Descriptors across fork])."""
+    out = _python(f"""
+        import os, torch, tierstore
+        torch.set_num_threads(1)
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, host_bytes=0, min_bytes=0)
+        spill = store.spill_dirs[0]
+        unrecorded = os.open(spill / "being-created", os.O_CREAT | os.O_RDWR, 0o600)
+        pid = os.fork()
+        if pid == 0:
+            held = []
+            for n in os.listdir("/proc/self/fd"):
+                try:
+                    held.append(os.readlink(f"/proc/self/fd/{{n}}"))
+                except OSError:
+                    pass
+            print("child holds", [p for p in held if p.startswith(str(spill))], flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        os.close(unrecorded)
+        store.close()
+    """)
+    assert "child holds []" in out, out

@@ -9,8 +9,10 @@ Note: [Descriptors across fork]
     the child exited; and a number the parent had closed and reused since (the pipe a data
     loader makes just before it forks a worker) was closed under the child, whose start then
     failed with EBADF. So the child closes descriptors by what they point to: every one whose
-    device and inode are the file's. No lock is involved: one that fork waited for lost a
-    Ctrl-C pressed meanwhile and could hang the child.
+    device and inode are the file's, and every one of a file inside a private spill directory
+    of the parent's, which also catches a spill file being created at the fork, before any
+    object recorded it. No lock is involved: one that fork waited for lost a Ctrl-C pressed
+    meanwhile and could hang the child.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
+    from pathlib import Path
 
-__all__ = ["Identity", "close_copies", "identity_of"]
+__all__ = ["Identity", "close_copies", "close_inside", "identity_of"]
 
 Identity = tuple[int, int]
 """A file's device and inode."""
@@ -38,14 +41,31 @@ def identity_of(fd: int) -> Identity:
     return st.st_dev, st.st_ino
 
 
+def _open_numbers(known: Iterable[int]) -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return list(known)
+
+
+def close_inside(directory: Path) -> None:
+    """Close every descriptor of this process of a file inside ``directory`` (errors
+    ignored; nothing where ``/proc/self/fd`` cannot be read)."""
+    prefix = f"{directory}{os.sep}"
+    for fd in _open_numbers(()):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(prefix):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 def close_copies(identity: Identity, known: Iterable[int] = ()) -> None:
     """Close every descriptor of this process that refers to the file ``identity`` (errors
     ignored); where ``/proc/self/fd`` cannot be listed, only those among ``known`` that do."""
-    try:
-        numbers = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:
-        numbers = list(known)
-    for fd in numbers:
+    for fd in _open_numbers(known):
         try:
             if identity_of(fd) != identity:
                 continue

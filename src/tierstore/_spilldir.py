@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tierstore import _registry
 from tierstore._fork_safe_lock import ForkSafeLock
-from tierstore._inherited import Identity, close_copies, identity_of
+from tierstore._inherited import Identity, close_copies, close_inside, identity_of
 from tierstore._libc import libc_function
 from tierstore.errors import ConfigError
 
@@ -354,7 +354,10 @@ class SpillDirectory:
         across fork] in ``_inherited.py``)."""
         _registry.untrack(self)
         fd, self._lock_fd = self._lock_fd, None
-        if self._lock_identity is not None:
+        # Everything of the parent's in it: the lock file, and the spill files, one being
+        # created at the fork included, which no object had recorded yet.
+        close_inside(self.path)
+        if self._lock_identity is not None:  # where /proc cannot be read
             close_copies(self._lock_identity, [fd] if fd is not None else [])
 
 
