@@ -821,13 +821,19 @@ def test_a_lock_number_the_parent_closed_and_reused_is_not_closed_in_the_child(
     assert "child pipe intact; holds the lock file False" in out, out
 
 
+@pytest.mark.parametrize("through", ["the directory", "a symlink to it"])
 def test_a_file_being_created_in_a_spill_directory_at_the_fork_is_closed_in_the_child(
-    disk_dir: Path,
+    disk_dir: Path, tmp_path: Path, through: str
 ) -> None:
     """A spill file opened but not yet recorded by its engine when another thread forks (a
     store starting while a data loader starts its workers) stayed open in the child, holding
     the parent's file: the child closes whatever it holds inside the parent's private spill
-    directories (Note: [Descriptors across fork])."""
+    directories (Note: [Descriptors across fork]), found by their real path: a spill parent
+    reached through a symlink (a cluster's /scratch) did not match what /proc shows."""
+    if through == "a symlink to it":
+        link = tmp_path / "scratch-link"
+        link.symlink_to(disk_dir, target_is_directory=True)
+        disk_dir = link
     out = _python(f"""
         import os, torch, tierstore
         torch.set_num_threads(1)
@@ -842,10 +848,42 @@ def test_a_file_being_created_in_a_spill_directory_at_the_fork_is_closed_in_the_
                     held.append(os.readlink(f"/proc/self/fd/{{n}}"))
                 except OSError:
                     pass
-            print("child holds", [p for p in held if p.startswith(str(spill))], flush=True)
+            real = os.path.realpath(spill)
+            print("child holds", [p for p in held if p.startswith(real)], flush=True)
             os._exit(0)
         os.waitpid(pid, 0)
         os.close(unrecorded)
         store.close()
     """)
     assert "child holds []" in out, out
+
+
+def test_a_removed_spill_directorys_lock_identity_closes_nothing_in_a_child(
+    disk_dir: Path,
+) -> None:
+    """A store's spill directory, removed, kept the lock file's device and inode, which the
+    filesystem soon gives to another file (the application's): a child forked while the
+    closed store's core still lived forgot it again and closed that file's descriptor."""
+    out = _python(f"""
+        import os, torch, tierstore
+        from tierstore._inherited import identity_of
+        torch.set_num_threads(1)
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, host_bytes=0, min_bytes=0)
+        d = store._core.disk_tier.dirs[0]
+        store.close()
+        app = os.open({str(disk_dir)!r} + "/app-file", os.O_CREAT | os.O_RDWR, 0o600)
+        d._lock_identity, d._lock_fd = identity_of(app), app  # the inode and number reused
+        pid = os.fork()
+        if pid == 0:
+            d.forget()
+            try:
+                os.fstat(app)
+                print("child: app file intact", flush=True)
+            except OSError as exc:
+                print("child: app file closed", exc, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        os.close(app)
+        os.unlink({str(disk_dir)!r} + "/app-file")
+    """)
+    assert "child: app file intact" in out, out

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tierstore import _registry
 from tierstore._fork_safe_lock import ForkSafeLock
-from tierstore._inherited import Identity, close_copies, close_inside, identity_of
+from tierstore._inherited import Identity, can_list, close_copies, identity_of
 from tierstore._libc import libc_function
 from tierstore.errors import ConfigError
 
@@ -286,6 +286,7 @@ class SpillDirectory:
         check_parent(parent)
         self._lock_fd: int | None = None
         self._lock_identity: Identity | None = None
+        self._gone = False
         with _parent_locked(parent, sweep=False):
             # mkdir fails if the name exists, so a pre-created directory or symlink is never
             # used; a taken name (planted by someone guessing it, or a PID reused after a
@@ -294,6 +295,8 @@ class SpillDirectory:
                 self.path = parent / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
                 try:
                     os.mkdir(self.path, 0o700)
+                    # What /proc/self/fd names its files by (Note: [Descriptors across fork]).
+                    self.real_path = Path(os.path.realpath(self.path))
                     break
                 except FileExistsError as exc:
                     if attempt == _NAME_ATTEMPTS - 1:
@@ -343,22 +346,27 @@ class SpillDirectory:
     def _unlock(self) -> None:
         """Close the lock's descriptor (this process's own), and stop tracking the directory."""
         _registry.untrack(self)
+        self._gone = True  # its identities may name other files from now on
         fd, self._lock_fd = self._lock_fd, None  # first: closed once, whatever interrupts
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
     def forget(self) -> None:
-        """In a forked child: drop the parent's lock without deleting anything, closing every
-        copy of the lock file's descriptor by the file it refers to (Note: [Descriptors
-        across fork] in ``_inherited.py``)."""
+        """In a forked child: drop the parent's lock without deleting anything; once.
+
+        The registry's at-fork hook closes the child's copies of every file inside the
+        parent's directories in one pass (Note: [Descriptors across fork] in
+        ``_inherited.py``); where the descriptors cannot be listed, the lock's recorded
+        number is closed if it still refers to the lock file.
+        """
+        if self._gone:
+            return
+        self._gone = True
         _registry.untrack(self)
         fd, self._lock_fd = self._lock_fd, None
-        # Everything of the parent's in it: the lock file, and the spill files, one being
-        # created at the fork included, which no object had recorded yet.
-        close_inside(self.path)
-        if self._lock_identity is not None:  # where /proc cannot be read
-            close_copies(self._lock_identity, [fd] if fd is not None else [])
+        if fd is not None and self._lock_identity is not None and not can_list():
+            close_copies(self._lock_identity, [fd])
 
 
 def sweep_stale(parent: Path) -> list[Path]:

@@ -36,6 +36,7 @@ class DiskTier:
         """Delete the spill directories (needs no loop: the exit hook calls it too)."""
         for d in self.dirs:
             d.remove()
+        self.dirs = []
 
     def forget(self) -> None:
         """In a forked child: let go of the parent's directories without touching them."""

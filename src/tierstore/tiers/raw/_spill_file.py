@@ -150,8 +150,9 @@ class SpillFile:
                 os.close(fd)
 
     def forget_in_child(self) -> None:
-        """In a forked child: close every descriptor of this file it inherited, found by the
-        file they refer to, not by number (Note: [Descriptors across fork])."""
+        """In a forked child: close the descriptors of this file it inherited, each only if
+        it still refers to the file (Note: [Descriptors across fork]; the registry's pass
+        over the child's descriptors closed those not recorded here)."""
         known = [fd for fd in (self.fd, *self._check_fds.values()) if fd >= 0]
         self.fd, self._check_fds = -1, {}
         close_copies(self._identity, known)
