@@ -887,3 +887,45 @@ def test_a_removed_spill_directorys_lock_identity_closes_nothing_in_a_child(
         os.unlink({str(disk_dir)!r} + "/app-file")
     """)
     assert "child: app file intact" in out, out
+
+
+def test_a_child_forked_while_the_lock_file_closes_holds_none_of_it(disk_dir: Path) -> None:
+    """The directory stopped being tracked, and counted as removed, before its lock file's
+    descriptor was closed: a child forked during that close kept the lock file (and its
+    flock) open until it exited."""
+    out = _python(f"""
+        import os, threading, time, torch, tierstore
+        torch.set_num_threads(1)
+        store = tierstore.TieredStore(disk_dir={str(disk_dir)!r}, device_bytes=0,
+                                      host_bytes=0, min_bytes=0, direct_io="off")
+        h = store.put(torch.ones(1 << 18))
+        while store.stats().inflight_bytes:
+            time.sleep(0.01)
+        lock_fd = store._core.disk_tier.dirs[0]._lock_fd
+        real_close, paused = os.close, threading.Event()
+
+        def pause_then_close(fd):
+            if fd == lock_fd and threading.current_thread().name == "tierstore-loop":
+                paused.set()
+                time.sleep(1.0)
+            real_close(fd)
+
+        os.close = pause_then_close
+        closer = threading.Thread(target=store.close)
+        closer.start()
+        paused.wait()
+        pid = os.fork()
+        if pid == 0:
+            links = []
+            for n in os.listdir("/proc/self/fd"):
+                try:
+                    links.append(os.readlink(f"/proc/self/fd/{{n}}"))
+                except OSError:
+                    pass
+            print("child holds", [p for p in links if {str(disk_dir)!r} in p], flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        closer.join()
+        os.close = real_close
+    """)
+    assert "child holds []" in out, out

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
     from pathlib import Path
 
-__all__ = ["Identity", "can_list", "close_copies", "close_inside", "identity_of"]
+__all__ = ["Identity", "close_copies", "close_inside", "identity_of"]
 
 Identity = tuple[int, int]
 """A file's device and inode."""
@@ -50,11 +50,6 @@ def _open_numbers() -> list[int] | None:
         return [int(name) for name in os.listdir("/proc/self/fd")]
     except OSError:
         return None
-
-
-def can_list() -> bool:
-    """Whether this process can list its descriptors (``/proc/self/fd``)."""
-    return _open_numbers() is not None
 
 
 def close_inside(directories: Iterable[Path]) -> None:

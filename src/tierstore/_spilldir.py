@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tierstore import _registry
 from tierstore._fork_safe_lock import ForkSafeLock
-from tierstore._inherited import Identity, can_list, close_copies, identity_of
+from tierstore._inherited import Identity, close_copies, identity_of
 from tierstore._libc import libc_function
 from tierstore.errors import ConfigError
 
@@ -344,28 +344,34 @@ class SpillDirectory:
         self._unlock()
 
     def _unlock(self) -> None:
-        """Close the lock's descriptor (this process's own), and stop tracking the directory."""
-        _registry.untrack(self)
-        self._gone = True  # its identities may name other files from now on
-        fd, self._lock_fd = self._lock_fd, None  # first: closed once, whatever interrupts
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Close the lock's descriptor (this process's own), then stop tracking the
+        directory: a child forked during the close still finds both (Note: [Descriptors
+        across fork])."""
+        fd = self._lock_fd
+        try:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        finally:
+            self._lock_fd = None
+            self._gone = True  # its identities may name other files from now on
+            _registry.untrack(self)
 
     def forget(self) -> None:
         """In a forked child: drop the parent's lock without deleting anything; once.
 
         The registry's at-fork hook closes the child's copies of every file inside the
         parent's directories in one pass (Note: [Descriptors across fork] in
-        ``_inherited.py``); where the descriptors cannot be listed, the lock's recorded
-        number is closed if it still refers to the lock file.
+        ``_inherited.py``); the lock's recorded number is closed too if it still refers to
+        the lock file (the parent may have closed it, and reused the number, at the fork).
+        Once the parent removed the directory, nothing: its identity may name another file.
         """
         if self._gone:
             return
         self._gone = True
         _registry.untrack(self)
         fd, self._lock_fd = self._lock_fd, None
-        if fd is not None and self._lock_identity is not None and not can_list():
+        if fd is not None and self._lock_identity is not None:
             close_copies(self._lock_identity, [fd])
 
 
