@@ -21,12 +21,24 @@ import tierstore
 from tierstore._spilldir import PREFIX, sweep_stale
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+# Every child script may call held_files(): the paths its open descriptors refer to.
+_PRELUDE = """
+def held_files():
+    import os
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    return found
+"""
 
 
 def _python(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> str:
     full_env = {**os.environ, "PYTHONPATH": SRC, **(env or {})}
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, "-c", _PRELUDE + textwrap.dedent(code)],
         capture_output=True,
         text=True,
         env=full_env,
@@ -160,13 +172,7 @@ def test_a_forked_child_holds_no_descriptor_of_the_parents_spill_files(disk_dir:
         parents = [str(d) for d in store.spill_dirs]
         pid = os.fork()
         if pid == 0:
-            held = []
-            for fd in os.listdir("/proc/self/fd"):
-                try:
-                    held.append(os.readlink(f"/proc/self/fd/{{fd}}"))
-                except OSError:
-                    pass  # the listing's own descriptor, closed by now
-            mine = [p for p in held if any(p.startswith(d) for d in parents)]
+            mine = [p for p in held_files() if any(p.startswith(d) for d in parents)]
             os._exit(0 if not mine else 3)
         _, status = os.waitpid(pid, 0)
         print("child", os.waitstatus_to_exitcode(status))
@@ -673,14 +679,7 @@ def test_a_child_forked_while_a_dropped_store_closes_holds_none_of_its_files(
         gc.collect()
         pid = os.fork()
         if pid == 0:
-            held = []
-            for fd in os.listdir("/proc/self/fd"):
-                try:
-                    target = os.readlink(f"/proc/self/fd/{{fd}}")
-                except OSError:
-                    continue
-                if target.startswith({str(disk_dir)!r}):
-                    held.append(target)
+            held = [p for p in held_files() if p.startswith({str(disk_dir)!r})]
             print("child holds", held, flush=True)
             os._exit(0)
         os.waitpid(pid, 0)
@@ -757,13 +756,8 @@ def test_a_fork_in_the_middle_of_closing_the_spill_files_leaves_the_child_none(
         if pid != 0:
             print(f"fork took {{time.monotonic() - started:.2f}} s", flush=True)
         if pid == 0:
-            held = []
-            for fd in os.listdir("/proc/self/fd"):
-                try:
-                    held += [os.readlink(f"/proc/self/fd/{{fd}}")]
-                except OSError:
-                    pass
-            print("child holds", [p for p in held if p.endswith("spill.raw")], flush=True)
+            held = [p for p in held_files() if p.endswith("spill.raw")]
+            print("child holds", held, flush=True)
             os._exit(0)
         os.waitpid(pid, 0)
         closer.join()
@@ -807,9 +801,8 @@ def test_a_lock_number_the_parent_closed_and_reused_is_not_closed_in_the_child(
         if pid == 0:
             try:
                 os.fstat(r), os.fstat(w)
-                links = [os.readlink(f"/proc/self/fd/{{n}}") for n in os.listdir("/proc/self/fd")
-                         if os.path.exists(f"/proc/self/fd/{{n}}")]
-                print("child pipe intact; holds the lock file", lock_file in links, flush=True)
+                held = held_files()
+                print("child pipe intact; holds the lock file", lock_file in held, flush=True)
             except OSError as exc:
                 print("child pipe closed:", exc, flush=True)
             os._exit(0)
@@ -842,14 +835,8 @@ def test_a_file_being_created_in_a_spill_directory_at_the_fork_is_closed_in_the_
         unrecorded = os.open(spill / "being-created", os.O_CREAT | os.O_RDWR, 0o600)
         pid = os.fork()
         if pid == 0:
-            held = []
-            for n in os.listdir("/proc/self/fd"):
-                try:
-                    held.append(os.readlink(f"/proc/self/fd/{{n}}"))
-                except OSError:
-                    pass
             real = os.path.realpath(spill)
-            print("child holds", [p for p in held if p.startswith(real)], flush=True)
+            print("child holds", [p for p in held_files() if p.startswith(real)], flush=True)
             os._exit(0)
         os.waitpid(pid, 0)
         os.close(unrecorded)
@@ -916,13 +903,8 @@ def test_a_child_forked_while_the_lock_file_closes_holds_none_of_it(disk_dir: Pa
         paused.wait()
         pid = os.fork()
         if pid == 0:
-            links = []
-            for n in os.listdir("/proc/self/fd"):
-                try:
-                    links.append(os.readlink(f"/proc/self/fd/{{n}}"))
-                except OSError:
-                    pass
-            print("child holds", [p for p in links if {str(disk_dir)!r} in p], flush=True)
+            held = [p for p in held_files() if {str(disk_dir)!r} in p]
+            print("child holds", held, flush=True)
             os._exit(0)
         os.waitpid(pid, 0)
         closer.join()

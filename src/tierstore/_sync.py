@@ -347,7 +347,7 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
                 the store's timeout (60 s without one) and 5 s; the directory is removed at
                 exit.
         """
-        wait = 2 * self._close_timeout + 5
+        wait = _close_wait(self._close_timeout)
         with self._start_lock:
             core, thread = self._core, self._thread
             if core is not None and threading.get_ident() == core.loop_thread:
@@ -431,6 +431,12 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         return f"TieredStore({state}, dirs={[str(p) for p in self.spill_dirs]})"
 
 
+def _close_wait(timeout: float) -> float:
+    """How long a close waits for transfers to end or be cancelled: twice the store's
+    timeout (finish, then cancel) and 5 s."""
+    return 2 * timeout + 5
+
+
 def _close_dropped(core: StoreCore, thread: threading.Thread, timeout: float) -> None:
     """Close the store of ``core``, dropped without ``close()``, on its own loop thread.
 
@@ -460,7 +466,7 @@ def _close_dropped(core: StoreCore, thread: threading.Thread, timeout: float) ->
             log.warning("tierstore: closing a store dropped without close() failed: %r", err)
         loop.stop()
 
-    _registry.closing(thread, core, 2 * timeout + 5)  # close()'s own wait
+    _registry.closing(thread, core, _close_wait(timeout))
     with contextlib.suppress(RuntimeError):  # its loop is closed already
         loop.call_soon_threadsafe(begin)
 
