@@ -596,3 +596,18 @@ def test_peft_tuner_models_are_looked_through() -> None:
     assert _wrapped_model(wrapped) is model
     assert _wrapped_model(wrapped.base_model) is model
     assert _wrapped_model(model) is model
+
+
+def test_a_method_looked_up_on_a_temporary_copy_does_nothing(
+    store: tierstore.TieredStore,
+) -> None:
+    import copy
+
+    model = tiny_llama()
+    enable_offloaded_checkpointing(model, store)
+    name = "activation" if HAS_ACTIVATION_NAMES else "gradient"
+    # The copy dies when its method is looked up, before the call: a bound method would
+    # have switched it; this one must not raise ReferenceError.
+    getattr(copy.deepcopy(model), f"{name}_checkpointing_disable")()
+    getattr(copy.deepcopy(model), f"{name}_checkpointing_enable")()
+    assert checkpointing_on(model)

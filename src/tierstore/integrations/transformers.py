@@ -171,11 +171,19 @@ class _Method:
         return model
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
+        """Switch the model; nothing when it is gone (Note: [A method outliving its model])."""
         try:
             self.__signature__.bind(*args, **kwargs)
         except TypeError as err:  # named as the method called, not the function behind it
             raise TypeError(f"{self._name}(): {err}") from None
-        self._fn(self._model, *args, **kwargs)
+        # Note: [A method outliving its model]
+        #     Unlike a bound method, this object holds its model weakly, so the model of
+        #     ``copy.deepcopy(model).gradient_checkpointing_enable()`` is freed as soon as the
+        #     method is looked up, before the call. A bound method would have switched a model
+        #     nobody can reach; doing nothing is the same, where raising broke the call.
+        model = self._model_ref()
+        if model is not None:
+            self._fn(model, *args, **kwargs)
 
     def __reduce__(self) -> tuple[type[_Method], tuple[Any, ...]]:
         return _Method, (self._model, self._name, self._store, self._chosen)
