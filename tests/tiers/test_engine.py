@@ -29,6 +29,7 @@ class OneFileEngine(DiskEngine):
     def __init__(self, directories: tuple[Path, ...], config: StoreConfig) -> None:
         super().__init__(directories, config)
         self._crcs: dict[int, tuple[int, int]] = {}
+        self._writing: set[int] = set()
 
     def _path(self, key: int) -> Path:
         return self.directories[key % len(self.directories)] / f"{key:016x}.blob"
@@ -38,18 +39,22 @@ class OneFileEngine(DiskEngine):
 
     async def write(self, key: int, src: torch.Tensor, **description: object) -> None:
         # ``dtype`` and ``shape`` may come in ``description``; raw bytes need neither.
-        if key in self._crcs:
+        if key in self._crcs or key in self._writing:
             raise KeyError(f"key {key} is already stored")
         data = src.numpy().tobytes()
-        job = asyncio.ensure_future(asyncio.to_thread(self._write_file, self._path(key), data))
+        self._writing.add(key)
         try:
-            await asyncio.shield(job)
-        except BaseException:
-            await asyncio.wait([job])  # the thread finishes before its file is removed
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(key))
-            raise
-        self._crcs[key] = (len(data), zlib.crc32(data))
+            job = asyncio.ensure_future(asyncio.to_thread(self._write_file, self._path(key), data))
+            try:
+                await asyncio.shield(job)
+            except BaseException:
+                await asyncio.wait([job])  # the thread finishes before its file is removed
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._path(key))
+                raise
+            self._crcs[key] = (len(data), zlib.crc32(data))
+        finally:
+            self._writing.discard(key)
 
     @staticmethod
     def _write_file(path: Path, data: bytes) -> None:

@@ -219,6 +219,23 @@ class EngineTests(abc.ABC):
         with pytest.raises(KeyError):
             await engine.write(3, random_bytes(10, seed=1))
 
+    @pytest.mark.parametrize("size", [100, 3 * MiB + 7])
+    async def test_two_writes_of_one_key_at_once_store_one_and_keep_no_space(
+        self, engine: DiskEngine, size: int
+    ) -> None:
+        held = _file_bytes(engine.directories) - engine.reusable_bytes()
+        first, second = random_bytes(size, seed=1), random_bytes(size, seed=2)
+        outcomes = await asyncio.gather(
+            engine.write(9, first), engine.write(9, second), return_exceptions=True
+        )
+        assert [type(o) for o in outcomes].count(KeyError) == 1, outcomes
+        out = torch.empty(size, dtype=torch.uint8)
+        await engine.read(9, out)
+        assert torch.equal(out, first if outcomes[0] is None else second)
+        await engine.delete(9)
+        # The refused write's bytes must not stay placed under no key.
+        assert _file_bytes(engine.directories) - engine.reusable_bytes() == held
+
     async def test_reading_an_unknown_key_raises_key_error(self, engine: DiskEngine) -> None:
         with pytest.raises(KeyError):
             await engine.read(12345, torch.empty(1, dtype=torch.uint8))

@@ -140,6 +140,10 @@ class DiskEngine(abc.ABC):
         ``dtype`` and ``shape`` optionally describe the tensor whose bytes ``src`` holds; an
         engine that keeps a self-describing format (zarr) records them, the raw engine ignores
         them. They never change the bytes ``read`` returns.
+
+        Raises:
+            KeyError: ``key`` is stored, or a write of it has not ended yet (the store never
+                writes a key twice; an engine refuses it rather than leak the first one's space).
         """
 
     def read_window(self, key: int, nbytes: int) -> tuple[int, int]:

@@ -103,6 +103,7 @@ class ZarrEngine(DiskEngine):
             zarr.open_group(str(root), mode="w-", zarr_format=3)
             _make_private(root)
         self._stored: dict[int, tuple[int, int, Any]] = {}
+        self._writing: set[int] = set()
         """Each stored key's bytes, the directory (index) its array is in, and the array's
         metadata as written (Note: [The metadata is checked too])."""
         self._full: set[int] = set()
@@ -165,8 +166,18 @@ class ZarrEngine(DiskEngine):
     ) -> None:
         """Store ``src`` as the array ``key``; typed when ``dtype`` is one zarr has."""
         self._check_open()
-        if key in self._stored:
+        if key in self._stored or key in self._writing:
+            # A second write of a key in flight would remove the first one's array on failing.
             raise KeyError(f"key {key} is already stored; delete it first")
+        self._writing.add(key)
+        try:
+            await self._write_new(key, src, dtype, shape)
+        finally:
+            self._writing.discard(key)
+
+    async def _write_new(
+        self, key: int, src: torch.Tensor, dtype: torch.dtype | None, shape: tuple[int, ...] | None
+    ) -> None:
         loop = asyncio.get_running_loop()
         homes = self._homes_to_try(key, src.numel())
         for n, home in enumerate(homes):

@@ -100,6 +100,8 @@ class RawEngine(DiskEngine):
         # Buffered I/O takes any address; only O_DIRECT needs the pages (Note: [A tensor's lead]).
         self._leads = all(f.direct for f in self._files)
         self._blobs: dict[int, Blob | PackedBlob] = {}
+        # Keys being written: a second write of one would be placed too and leak its space.
+        self._writing: set[int] = set()
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io")
         self._striping = Striping(self._files, self._chunk, self._pool)
         self._packs = Packs(self._io, self._striping, self._pool, config.io_threads, self._chunk)
@@ -215,8 +217,11 @@ class RawEngine(DiskEngine):
         waiter = Waiter(0)
         waits: list[asyncio.Future[Any]] = [waiter.done]
         slots: list[PackItem | asyncio.Future[None]] = []
+        packed: list[int] = []
         for r in requests:
             if self._joins_pack(r.key, r.src):
+                self._writing.add(r.key)
+                packed.append(r.key)
                 waiter.pending += 1
                 slots.append(self._packs.enqueue_write(r.src, waiter))
             else:
@@ -228,6 +233,7 @@ class RawEngine(DiskEngine):
         try:
             await all_done(waits)
         finally:
+            self._writing.difference_update(packed)
             # Also when cancelled: what was written stays stored under its key.
             outcomes: list[BaseException | None] = []
             for r, slot in zip(requests, slots, strict=True):
@@ -315,7 +321,12 @@ class RawEngine(DiskEngine):
     # -- blobs written and read alone ------------------------------------------------------
 
     def _joins_pack(self, key: int, src: torch.Tensor) -> bool:
-        return key not in self._blobs and is_bytes(src) and self._packs.packable(src.numel())
+        return (
+            key not in self._blobs
+            and key not in self._writing
+            and is_bytes(src)
+            and self._packs.packable(src.numel())
+        )
 
     def _joins_group(self, key: int, out: torch.Tensor) -> bool:
         blob = self._blobs.get(key)
@@ -324,17 +335,21 @@ class RawEngine(DiskEngine):
     async def _write_alone(self, key: int, src: torch.Tensor) -> None:
         """Write ``src`` as a blob of its own, in chunks (Note: [A tensor's lead])."""
         self._check_open()
-        if key in self._blobs:
+        if key in self._blobs or key in self._writing:
             raise KeyError(f"key {key} is already stored; delete it first")
         check_bytes(src, "src")
-        lead = src.data_ptr() % PAGE if self._leads else 0
-        blob = await self._striping.place(src.numel(), lead if lead % LEAD_ALIGN == 0 else 0)
+        self._writing.add(key)
         try:
-            await self._run(self._io.write_chunk, blob, src)
-        except BaseException:
-            blob.free()
-            raise
-        self._blobs[key] = blob
+            lead = src.data_ptr() % PAGE if self._leads else 0
+            blob = await self._striping.place(src.numel(), lead if lead % LEAD_ALIGN == 0 else 0)
+            try:
+                await self._run(self._io.write_chunk, blob, src)
+            except BaseException:
+                blob.free()
+                raise
+            self._blobs[key] = blob
+        finally:
+            self._writing.discard(key)
 
     async def _read_alone(self, key: int, out: torch.Tensor) -> None:
         """Read a blob written alone, chunk by chunk; refuse a request :meth:`read` refuses."""
