@@ -40,7 +40,7 @@ def test_sizes_accept_units(text: str | int, expected: int) -> None:
         ("-1", "negative"),
         ("-5MiB", "negative"),
         ("12 furlongs", "unknown unit 'furlongs'"),
-        ("MiB", "not a byte size"),
+        ("MiB", "or 'unlimited'"),
         ("", "not a byte size"),
         ("1.5B", "whole number"),
         ("99999999999TiB", "larger than 2**63-1"),
@@ -292,7 +292,7 @@ def test_config_errors_list_the_aliases_too() -> None:
         ("io_threads", 0, "from 1 to 256"),
         ("checksum", "md5", "must be one of crc32c, none"),
         ("direct_io", "yes", "must be one of auto, on, off"),
-        ("disk_dirs", (), "names no directory"),
+        ("disk_dirs", (), "names no directory; give a directory"),
         ("max_inflight_bytes", 0, "must be positive"),
     ],
 )

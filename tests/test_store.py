@@ -1019,8 +1019,13 @@ def test_disk_bytes_never_above_free_space(
     assert store.stats().disk.capacity <= max(before, after) + (1 << 30)
     said = [r.getMessage() for r in caplog.records]
     capped = [m for m in said if "capped at the free space" in m]
-    assert capped and "TIERSTORE_DISK_BYTES=1000 TiB is more than the " in capped[0]
+    assert capped and "disk_bytes/TIERSTORE_DISK_BYTES=1000 TiB is more than the " in capped[0]
     assert " GiB free under " in capped[0] or " TiB free under " in capped[0], capped
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tierstore"):
+        unlimited = make_store(disk_bytes="unlimited")  # what the default gives: no warning
+    assert unlimited.stats().disk.capacity <= max(before, after) + (1 << 30)
+    assert not [r for r in caplog.records if "capped" in r.getMessage()]
 
 
 def test_zarr_format_round_trips_every_dtype_through_the_store(make_store: MakeStore) -> None:

@@ -90,7 +90,10 @@ def check_parent(parent: Path) -> None:
             "this user can reach"
         ) from None
     if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{_VAR}={str(parent)!r}: is not a directory")
+        raise ConfigError(
+            f"{_VAR}={str(parent)!r}: is not a directory; point it at a directory (several "
+            f"separated by {os.pathsep!r} are striped)"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
         if _read_only(parent):
             raise ConfigError(

@@ -28,6 +28,7 @@ from tierstore.tiers._engine import engine_names
 __all__ = [
     "ALIASES",
     "ENV_PREFIX",
+    "MAX_SIZE",
     "MAX_TIMEOUT",
     "StoreConfig",
     "check_timeout",
@@ -42,7 +43,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 # Sizes beyond a signed 64-bit byte count cannot be a real capacity; treat them as typos.
-_MAX_SIZE = (1 << 63) - 1
+MAX_SIZE = (1 << 63) - 1
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -90,11 +91,11 @@ def parse_size(value: str | int, *, name: str) -> int:
         size = value
     else:
         if value.strip().lower() in {"unlimited", "inf", "infinity"}:
-            return _MAX_SIZE
+            return MAX_SIZE
         size = _parse_size_text(value, name=name)
     if size < 0:
         raise ConfigError(f"{name}={value!r}: a size cannot be negative")
-    if size > _MAX_SIZE:
+    if size > MAX_SIZE:
         raise ConfigError(f"{name}={value!r}: larger than 2**63-1 bytes; check the unit")
     return size
 
@@ -109,8 +110,9 @@ def _parse_size_text(text: str, *, name: str) -> int:
     m = _SIZE_RE.fullmatch(text)
     if m is None or not (m.group(2) or m.group(3)):
         raise ConfigError(
-            f"{name}={text!r}: not a byte size; use an integer number of bytes or a number "
-            "with a unit KB/MB/GB/TB (powers of 10) or KiB/MiB/GiB/TiB (powers of 2)"
+            f"{name}={text!r}: not a byte size; use an integer number of bytes, a number "
+            "with a unit KB/MB/GB/TB (powers of 10) or KiB/MiB/GiB/TiB (powers of 2), or "
+            "'unlimited'"
         )
     sign, whole, fraction, unit = m.groups()
     fraction = fraction or ""
@@ -207,7 +209,10 @@ def _parse_dirs(
     else:
         raise ConfigError(f"{name}={value!r}: expected a directory or a list of directories")
     if not parts:
-        raise ConfigError(f"{name}={value!r}: names no directory")
+        raise ConfigError(
+            f"{name}={value!r}: names no directory; give a directory (several separated by "
+            f"{os.pathsep!r} are striped), or unset it for the default"
+        )
     dirs = tuple(Path(os.path.expanduser(os.fspath(p))).absolute() for p in parts)
     if len(set(dirs)) != len(dirs):
         raise ConfigError(f"{name}={value!r}: lists the same directory twice")

@@ -264,6 +264,8 @@ def test_full_runs_the_disk_sweep(tmp_path: Path, capsys: pytest.CaptureFixture[
     argv += ["--engines", "tierstore-raw", "--dir", str(tmp_path), "--no-progress"]
     assert bench.main(argv) == 0
     assert "tierstore-raw" in capsys.readouterr().out
+    # --help lists --no-plot beside --full; the sweep's own parser refused it.
+    assert bench.main([*argv, "--no-plot"]) == 0
 
 
 def test_the_disk_offloader_baseline_trains_exactly_and_cleans_up(tmp_path: Path) -> None:

@@ -231,7 +231,7 @@ def test_disk_dir_missing_file_or_dangling_link_via_the_environment(
     dangling.symlink_to(tmp_path / "nowhere")
     for value, fragment in [
         (str(tmp_path / "missing"), "does not exist"),
-        (str(f), "not a directory"),
+        (str(f), "not a directory; point it at a directory"),
         (str(dangling), "does not exist"),
         (os.pathsep.join([str(tmp_path), str(tmp_path)]), "same directory twice"),
     ]:

@@ -62,7 +62,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Subcommands: 'disk' (the disk sweep) and 'train' (the training-step "
         "benchmark) take their own options; see 'tierstore-bench disk --help'.",
     )
-    p.add_argument("--full", action="store_true", help="run the whole disk sweep instead")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="run the whole disk sweep instead; it takes the options of 'tierstore-bench disk' "
+        "and writes a PNG only with --plot",
+    )
     p.add_argument("--dir", type=Path, help="where to spill (default: TIERSTORE_DISK_DIR's first)")
     p.add_argument("--json", type=Path, help="write every figure as JSON here")
     p.add_argument(
@@ -81,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train"]:
         return train.main(argv[1:])
     if "--full" in argv:
-        argv.remove("--full")
+        # The sweep takes the disk command's options; it writes a PNG only when given --plot.
+        argv = [a for a in argv if a not in ("--full", "--no-plot")]
         return _disk.main(argv)
     args = _parser().parse_args(argv)
     plot = None if args.no_plot else args.plot

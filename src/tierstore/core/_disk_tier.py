@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from tierstore._spilldir import SpillDirectory, check_parent, sweep_stale, warn_if_in_ram
 from tierstore._stats import format_size
+from tierstore.config import MAX_SIZE
 from tierstore.core import _disk_room
 from tierstore.tiers import open_engine
 
@@ -75,9 +76,10 @@ def open_disk_tier(config: StoreConfig) -> DiskTier:
     for parent in config.disk_dirs:
         warn_if_in_ram(parent)
     cap, free = disk_capacity(config)
-    if config.disk_bytes is not None and config.disk_bytes > free:
+    # "unlimited" asks for what the default gives: all the free space, no warning.
+    if config.disk_bytes is not None and free < config.disk_bytes < MAX_SIZE:
         log.warning(
-            "tierstore: TIERSTORE_DISK_BYTES=%s is more than the %s free under %s; "
+            "tierstore: disk_bytes/TIERSTORE_DISK_BYTES=%s is more than the %s free under %s; "
             "the disk tier is capped at the free space",
             format_size(config.disk_bytes),
             format_size(free),
