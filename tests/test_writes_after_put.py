@@ -204,3 +204,66 @@ def test_a_change_never_read_back_logs_no_error(
     changed = [r for r in caplog.records if "changed after put" in r.getMessage()]
     assert changed and all(r.levelno == logging.DEBUG for r in changed), caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def _free_and_regrow(t: torch.Tensor) -> None:
+    """Free the storage and allocate it again, as FSDP's ``_free_storage`` and
+    ``_alloc_storage`` do: new memory, the version counter untouched."""
+    storage = t.untyped_storage()
+    n = storage.nbytes()
+    storage.resize_(0)
+    keep = torch.empty(n, dtype=torch.uint8)  # takes the freed memory's place, if malloc would
+    storage.resize_(n)
+    storage.fill_(0xAB)  # whatever new memory holds, not what was put
+    del keep
+
+
+@pytest.mark.parametrize("size", SIZES.values(), ids=SIZES.keys())
+def test_a_storage_freed_and_regrown_in_host_memory_is_noticed(
+    make_store: MakeStore, size: int
+) -> None:
+    store = make_store(device_bytes=0, host_bytes="unlimited")
+    t = torch.arange(size // 4, dtype=torch.float32)
+    h = store.put(t)
+    _free_and_regrow(t)
+    assert t._version == 0  # so the version counter alone cannot tell
+    with pytest.raises(TensorModifiedError, match=r"its storage was freed and allocated again"):
+        store.get(h)
+
+
+@pytest.mark.parametrize("size", SIZES.values(), ids=SIZES.keys())
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_storage_freed_and_regrown_before_its_spill_is_noticed(
+    make_store: MakeStore, engine: str, size: int
+) -> None:
+    store = _disk_store(make_store, engine)
+    hold = threading.Event()
+    internals(store).loop.call_soon_threadsafe(lambda: hold.wait(10))  # the spill waits
+    try:
+        t = torch.arange(size // 4, dtype=torch.float32)
+        h = store.put(t)
+        _free_and_regrow(t)
+    finally:
+        hold.set()
+    wait_for(lambda: settled(store))
+    with pytest.raises(TensorModifiedError, match=r"its storage was freed and allocated again"):
+        store.get(h)
+    assert store.stats().write_errors == 0
+
+
+@pytest.mark.parametrize("size", SIZES.values(), ids=SIZES.keys())
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_spilled_tensors_storage_stays_resizable(
+    make_store: MakeStore, engine: str, size: int
+) -> None:
+    """The engines wrote from ``t.numpy()``, which marks the storage not resizable for good:
+    the caller could no longer free it with ``resize_(0)`` after the release."""
+    store = _disk_store(make_store, engine)
+    t = torch.arange(size // 4, dtype=torch.float32)
+    expected = t.clone()
+    h = store.put(t)
+    wait_for(lambda: store.tier_of(h) is Tier.DISK)
+    assert torch.equal(store.get(h), expected)
+    store.release(h)
+    assert t.untyped_storage().resizable()
+    t.untyped_storage().resize_(0)

@@ -6,8 +6,11 @@ Note: [Writes after put]
     flat parameter with ``storage.resize_(0)``), after ``put`` breaks the contract, and the
     store cannot give back what was put. It notices instead of returning other bytes, crashing,
     or blaming the disk: the version counter recorded at put is compared whenever the store
-    copies, spills or returns the tensor, and the storage's size is checked first (the raw
-    engine checks it again on its I/O threads, right before touching the memory). The entry
+    copies, spills or returns the tensor, and the storage's size and address are checked first
+    (the raw engine checks them again on its I/O threads, right before touching the memory):
+    a storage freed and allocated again (``resize_(0)``, then ``resize_(n)``) keeps its
+    version and size but not its address. Should the new memory land at the old address,
+    nothing tells, and what the memory then holds is what the store writes or returns. The entry
     then fails with an error saying so, which its gets raise. It is not logged as an error:
     a tensor written after put and never read back harms nothing, as a tensor autograd saved
     and then written in place raises only if backward needs it.
@@ -119,6 +122,11 @@ def change_of(e: Entry, t: torch.Tensor) -> str | None:
     have = t.untyped_storage().nbytes()
     if have < need:
         return f"its storage was resized to {have} bytes (it needs {need}), as resize_(0) does"
+    if e.address is not None and numel and t.data_ptr() != e.address:
+        return (
+            "its storage was freed and allocated again (resize_(0), then resize_(n), as FSDP "
+            "frees and regathers a flat parameter): its bytes moved and are not those put"
+        )
     if e.version is not None and version_of(t) != e.version:
         # The counter is shared by every view of the storage: a write to the part of a base
         # this view does not cover counts too, and the store, holding no copy, cannot tell.

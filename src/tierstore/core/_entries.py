@@ -40,6 +40,7 @@ class Entry:
     """One stored tensor. Fields other than ``state`` are its copies; which exist says where."""
 
     __slots__ = (
+        "address",
         "data",
         "device",
         "disk",
@@ -78,6 +79,9 @@ class Entry:
         self.version = version_of(t)
         """The version counter of the tensor the store holds, when that is the caller's
         (Note: [Writes after put])."""
+        self.address: int | None = t.data_ptr()
+        """Where the bytes of the tensor the store holds lie, when that is the caller's: a
+        storage freed and allocated again moves them and keeps the version."""
         self.data: torch.Tensor | None = None
         """The tensor on its own device."""
         self.host: torch.Tensor | None = None

@@ -115,6 +115,7 @@ def _relabel(core: StoreCore, e: Entry, new: Entry | None) -> bool:
         return False
     if host is not e.data:
         e.version = version_of(host)  # a copy of the store's own
+        e.address = host.data_ptr()
     table = core.table
     table.set_state(e, S.MOVING_TO_HOST)
     table.set_copy(e, "host", host)

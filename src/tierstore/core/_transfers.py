@@ -108,7 +108,7 @@ class Transfers:
                 core.table.set_copy(e, "host", host)
                 core.table.set_copy(e, "data", None)
                 e.ready = None
-                e.version = None  # the host copy is the store's own
+                e.version = e.address = None  # the host copy is the store's own
                 core.table.set_state(e, S.HOST)
             core.cascade()
             core.plan_prefetch()  # Note: [An entry on its way down]
