@@ -236,6 +236,34 @@ def test_a_slab_is_unmapped_when_its_last_piece_goes_and_never_under_a_busy_one(
     assert not _mapped(address)
 
 
+def test_a_slab_placed_off_a_huge_page_boundary_is_cut_at_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kernels before 6.7 place a 2 MiB mapping on any page, where no huge page fits in it;
+    the first mapping is made to look so, as there."""
+    real = _readpool._address
+    looked: list[int] = []
+
+    def off_the_boundary_first(view: memoryview) -> int:
+        looked.append(real(view))
+        return looked[-1] + (4096 if len(looked) == 1 else 0)
+
+    monkeypatch.setattr(_readpool, "_address", off_the_boundary_first)
+    pool = ReadPool(keep_bytes=64 * MiB)
+    a, b = pool.take(MiB)[1], pool.take(MiB)[1]
+    assert len(looked) == 2  # mapped again, twice as large
+    assert min(a.data_ptr(), b.data_ptr()) % (2 * MiB) == 0
+    assert abs(a.data_ptr() - b.data_ptr()) == MiB
+    a.fill_(1)
+    b.fill_(2)
+    assert torch.all(a == 1) and torch.all(b == 2)
+    assert pool.mapped_bytes == 2 * MiB  # the half never touched is not counted
+    address = a.data_ptr()
+    del a, b
+    gc.collect()
+    assert pool.shrink(keep_free=0) == 2 * MiB and not _mapped(address)
+
+
 @pytest.mark.parametrize("size", [256 * 1024, 768 * 1024, MiB + 4096])
 def test_other_sizes_under_2_mib_get_maps_of_their_own(size: int) -> None:
     pool = ReadPool(keep_bytes=64 * MiB)

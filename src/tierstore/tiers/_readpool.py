@@ -43,10 +43,16 @@ Note: [Small buffers share huge pages]
     fresh piece left, so at most one slab per size holds pieces never used: a training step
     whose layer inputs are 1 MiB peaked 2-3 MiB higher, within the noise of one run
     (docs/performance.md, "Small tensors").
+
+    Linux from 6.7 places every anonymous mapping of 2 MiB or more on a 2 MiB boundary; older
+    kernels place it on any page, and a slab there would hold no huge page at all. A slab
+    that lands off the boundary is mapped again twice as large and cut at the boundary: the
+    half never touched costs address space, not memory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 import weakref
@@ -80,6 +86,24 @@ def _new_map(size: int) -> mmap.mmap:
         # that case is left to pay. docs/benchmarks.md has the figures.
         m.madvise(mmap.MADV_HUGEPAGE)
     return m
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _new_slab() -> memoryview:
+    """2 MiB on a 2 MiB boundary, where one huge page can back it (Note: [Small buffers
+    share huge pages])."""
+    whole = memoryview(_new_map(_HUGE))
+    if _address(whole) % _HUGE == 0:
+        return whole
+    whole.release()
+    wider = memoryview(_new_map(2 * _HUGE))
+    start = -_address(wider) % _HUGE
+    slab = wider[start : start + _HUGE]
+    wider.release()
+    return slab
 
 
 def _unmap(buffer: mmap.mmap | memoryview) -> None:
@@ -206,7 +230,7 @@ class ReadPool:
                 if self.buffers + pieces > self.max_buffers:
                     return None
                 if slab:
-                    whole = memoryview(_new_map(_HUGE))
+                    whole = _new_slab()
                     slots = [whole[i * size : (i + 1) * size] for i in range(pieces)]
                     whole.release()
                     m = slots.pop(0)
