@@ -45,9 +45,9 @@ Note: [Small buffers share huge pages]
     (docs/performance.md, "Small tensors").
 
     Linux from 6.7 places every anonymous mapping of 2 MiB or more on a 2 MiB boundary; older
-    kernels place it on any page, and a slab there would hold no huge page at all. A slab
-    that lands off the boundary is mapped again twice as large and cut at the boundary: the
-    half never touched costs address space, not memory.
+    kernels place it on any page, where a slab would hold no huge page at all and a bigger
+    buffer one fewer than it could. A mapping that lands off the boundary is made again 2 MiB
+    larger and cut at the boundary: the part never touched costs address space, not memory.
 """
 
 from __future__ import annotations
@@ -92,18 +92,18 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _new_slab() -> memoryview:
-    """2 MiB on a 2 MiB boundary, where one huge page can back it (Note: [Small buffers
-    share huge pages])."""
-    whole = memoryview(_new_map(_HUGE))
+def _new_huge(size: int) -> memoryview:
+    """``size`` bytes (2 MiB or more) from a 2 MiB boundary, where huge pages can back every
+    2 MiB of them (Note: [Small buffers share huge pages])."""
+    whole = memoryview(_new_map(size))
     if _address(whole) % _HUGE == 0:
         return whole
     whole.release()
-    wider = memoryview(_new_map(2 * _HUGE))
+    wider = memoryview(_new_map(size + _HUGE))
     start = -_address(wider) % _HUGE
-    slab = wider[start : start + _HUGE]
+    cut = wider[start : start + size]
     wider.release()
-    return slab
+    return cut
 
 
 def _unmap(buffer: mmap.mmap | memoryview) -> None:
@@ -230,13 +230,13 @@ class ReadPool:
                 if self.buffers + pieces > self.max_buffers:
                     return None
                 if slab:
-                    whole = _new_slab()
+                    whole = _new_huge(_HUGE)
                     slots = [whole[i * size : (i + 1) * size] for i in range(pieces)]
                     whole.release()
                     m = slots.pop(0)
                     self._fresh.setdefault(size, deque()).extend(slots)
                 else:
-                    m = _new_map(size)
+                    m = _new_huge(size) if size >= _HUGE else _new_map(size)
                 self.buffers += pieces
                 self.mapped_bytes += pieces * size
                 self.created += 1
