@@ -28,34 +28,9 @@ from tierstore.tiers._checksum import SHORT_CALL_BYTES
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    import torch
-
-__all__ = ["memmove", "memset", "prefault", "tensor_memory"]
+__all__ = ["memmove", "memset", "prefault"]
 
 log = logging.getLogger("tierstore")
-
-
-_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
-_memory_view.restype = ctypes.py_object
-_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-_PyBUF_WRITE = 0x200
-
-
-def tensor_memory(t: torch.Tensor) -> memoryview:
-    """A writable byte view of the memory of ``t`` (contiguous, on the CPU); the caller keeps
-    ``t`` alive while the view is used.
-
-    Note: [Views that leave the storage alone]
-        ``t.numpy()`` would mark the storage of ``t`` not resizable, for good: a caller's
-        tensor the store wrote from could then never be freed with ``storage.resize_(0)``
-        again (FSDP frees flat parameters so). A view made from the address leaves the
-        storage as it was, and no ctypes type is made per length.
-    """
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return memoryview(bytearray())
-    view: memoryview = _memory_view(t.data_ptr(), nbytes, _PyBUF_WRITE)
-    return view
 
 
 # ctypes.memmove/memset themselves release the GIL; these prototypes call the same C functions

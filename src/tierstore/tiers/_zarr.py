@@ -32,7 +32,6 @@ import numpy as np
 
 from tierstore.errors import CorruptTensorError
 from tierstore.tiers._engine import DISK_FULL, DiskEngine, free_space
-from tierstore.tiers._memcopy import tensor_memory
 from tierstore.tiers._on_thread import on_thread
 
 if TYPE_CHECKING:
@@ -261,8 +260,7 @@ class ZarrEngine(DiskEngine):
         from zarr.codecs import Crc32cCodec
         from zarr.core.array_spec import ArrayConfigParams
 
-        # Note: [Views that leave the storage alone]
-        data: np.ndarray[Any, Any] = np.frombuffer(tensor_memory(src), dtype=np.uint8)
+        data: np.ndarray[Any, Any] = src.numpy()  # Note: [A spill's source cannot be freed]
         typed = numpy_dtype(dtype)
         if (
             typed is not None

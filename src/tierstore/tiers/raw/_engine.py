@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 from tierstore.errors import ConfigError, CorruptTensorError
 from tierstore.tiers._checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
 from tierstore.tiers._engine import DiskEngine, WriteRequest, check_bytes, is_bytes
-from tierstore.tiers._memcopy import tensor_memory
 from tierstore.tiers._on_thread import on_thread
 from tierstore.tiers.raw._chunk_io import ChunkIO
 from tierstore.tiers.raw._layout import LEAD_ALIGN, Blob, PackedBlob
@@ -368,7 +367,9 @@ class RawEngine(DiskEngine):
         """Run ``fn`` for every chunk of ``blob`` on the I/O threads; ``t`` is the memory the
         chunks move from or to."""
         address = t.data_ptr()
-        view = tensor_memory(t)  # Note: [Views that leave the storage alone]
+        # numpy shares the tensor's memory; an empty tensor gives an empty view.
+        # Note: [A spill's source cannot be freed]
+        view = t.numpy().data.cast("B")
         # Note: [A finished transfer holds no memory]
         futures = [
             on_thread(self._pool, fn, blob, i, view, address, t) for i in range(len(blob.chunks))
