@@ -274,9 +274,7 @@ def test_a_storage_freed_while_its_spill_reads_it_is_refused_at_the_caller(
     if engine == "zarr":  # right after the engine took its view of the tensor
         monkeypatch.setattr(_zarr, "numpy_dtype", held(_zarr.numpy_dtype))
     else:
-        monkeypatch.setattr(
-            _chunk_io.ChunkIO, "write_chunk", held(_chunk_io.ChunkIO.write_chunk)
-        )
+        monkeypatch.setattr(_chunk_io.ChunkIO, "write_chunk", held(_chunk_io.ChunkIO.write_chunk))
     store = _disk_store(make_store, engine)
     t = torch.arange(SIZES["chunked"] // 4, dtype=torch.float32)
     expected = t.clone()
