@@ -944,6 +944,32 @@ async def test_a_cancelled_close_goes_on_and_a_second_close_waits_for_it(disk_di
     assert faulty.writes == len(hs)  # every write ran to its end, none was cut off
 
 
+async def test_a_get_whose_entry_was_released_during_its_read_ends_when_close_cancels_it(
+    disk_dir: Path,
+) -> None:
+    """Close cancels the read; the entry, released meanwhile, was no longer among the entries
+    close fails the waiting gets of, and the get waited for ever."""
+    store = tierstore.AsyncTieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=0, min_bytes=0, prefetch_bytes=0,
+        close_timeout=0.2,
+    )  # fmt: skip
+    await store.open()
+    faulty = install_faults(store)
+    h = await store.put(torch.randn(MiB // 4))
+    while (await store.stats()).inflight_bytes:
+        await asyncio.sleep(0.005)
+    faulty.read_delay = 30
+    getter = asyncio.ensure_future(store.get(h))
+    while await store.state_of(h) is not TensorState.FETCHING:
+        await asyncio.sleep(0.005)
+    await store.release(h)
+    await store.close()
+    done, _ = await asyncio.wait([getter], timeout=5)
+    assert done, "the get still waits after close returned"
+    with pytest.raises(StoreClosedError):
+        getter.result()
+
+
 def test_a_store_whose_loop_has_ended_is_closed_by_the_next_loop(disk_dir: Path) -> None:
     store = tierstore.AsyncTieredStore(disk_dir=disk_dir, device_bytes=0, host_bytes=0, min_bytes=0)
 

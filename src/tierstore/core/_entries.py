@@ -376,7 +376,9 @@ class EntryTable:
 
     def drop_all(self) -> None:
         """Forget every entry at close: waiting gets fail, fetched uploads are discarded."""
-        for e in list(self.entries.values()):
+        # Entries released during their read too: close cancelled that read, and the get
+        # waiting on it would wait for ever.
+        for e in [*self.entries.values(), *self.in_transit]:
             if e.fetch_future is not None and not e.fetch_future.done():
                 e.fetch_future.set_exception(StoreClosedError("the store was closed"))
             with contextlib.suppress(Exception):

@@ -324,7 +324,7 @@ class Transfers:
             if e.state is S.RELEASED:
                 discard(out)
                 core.table.free_copies(e)
-                if fut is not None:
+                if fut is not None and not fut.done():
                     fut.set_exception(Released(f"{e.describe()} was released"))
                 continue
             core.table.set_copy(e, "fetched", out)
@@ -380,7 +380,7 @@ class Transfers:
         core.counters.read_errors += 1
         if e.state is S.RELEASED:
             core.table.free_copies(e)
-            if fut is not None:
+            if fut is not None and not fut.done():
                 fut.set_exception(Released(f"{e.describe()} was released"))
             return
         if isinstance(exc, CorruptTensorError):
