@@ -198,7 +198,14 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         return t
 
     async def prefetch(self, handles: Iterable[TensorHandle]) -> None:
-        """Start bringing these tensors closer, newest first, within the prefetch window."""
+        """Start bringing these tensors closer, newest first, within the prefetch window.
+
+        Raises:
+            TypeError: one of ``handles`` is not a :class:`~tierstore.TensorHandle`.
+            TensorReleasedError: one was released, or is another store's; nothing is
+                started then.
+            StoreClosedError: the store is closed.
+        """
         self._bound().prefetch_now(handles)
 
     async def release(self, handle: TensorHandle) -> None:

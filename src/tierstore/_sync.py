@@ -228,7 +228,14 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         return t
 
     def prefetch(self, handles: Iterable[TensorHandle]) -> None:
-        """Start bringing these tensors back toward their device, newest first."""
+        """Start bringing these tensors back toward their device, newest first.
+
+        Raises:
+            TypeError: one of ``handles`` is not a :class:`~tierstore.TensorHandle`.
+            TensorReleasedError: one was released, or is another store's; nothing is
+                started then.
+            StoreClosedError: the store is closed.
+        """
         self._live().prefetch_now(handles)
 
     def release(self, handle: TensorHandle) -> None:
