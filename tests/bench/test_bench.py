@@ -437,3 +437,28 @@ def test_the_raw_limit_moves_what_the_paths_move_at_each_size(
     argv += ["--engines", "raw-limit,os", "--dir", str(tmp_path), "--no-progress"]
     assert bench.main(argv) == 0
     assert asked == [16 << 20, 32 << 20]  # 8 x 1 MiB, raised to the 16 MiB floor; 8 x 4 MiB
+
+
+def test_the_wait_for_the_disk_reports_its_own_cpu() -> None:
+    """Note: [The wait is not the store's CPU]: a store path's write CPU leaves it out."""
+    import time
+    from types import SimpleNamespace
+
+    from tierstore.bench import _paths
+
+    calls = 0
+
+    class Store:
+        def stats(self) -> SimpleNamespace:
+            nonlocal calls
+            calls += 1
+            end = time.thread_time() + 0.004
+            while time.thread_time() < end:  # a snapshot that costs 4 ms of this thread
+                pass
+            settled = calls >= 5
+            return SimpleNamespace(
+                inflight_bytes=0, disk=SimpleNamespace(bytes=10 if settled else 0)
+            )
+
+    waited = _paths._settle(Store(), 10)  # type: ignore[arg-type]
+    assert calls == 5 and 0.02 <= waited < 1.0

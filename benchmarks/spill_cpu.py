@@ -1,0 +1,110 @@
+"""CPU seconds per GB of the store's steady spills and reads of big tensors, round by round.
+
+Run: PYTHONPATH=src python benchmarks/spill_cpu.py --dir /var/tmp
+     perf record -g -- env PYTHONPATH=src python benchmarks/spill_cpu.py --dir /var/tmp \
+         --rounds 20 --no-read           # where a write's CPU goes (perf report --no-children)
+
+A store with no host tier (every tensor spills) takes ``--count`` tensors of ``--size``, the
+same tensors every round, as a training step's activations are the same sizes every step: the
+first round spills into new space, the later ones reuse it. Each round waits until every tensor
+is on disk (polling the store's counters), then, unless ``--no-read``, gets them back newest
+first and checks every value. CPU is the process's user + system seconds, I/O threads
+included, per GB moved; a write's leaves out what the wait itself spent on its thread, as
+``tierstore-bench disk`` does. The setup fills the tensors with a constant each (a
+``memset``), so a profile of a long run is mostly the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import tierstore
+from tierstore.config import parse_size
+from tierstore.errors import ConfigError
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, name="--size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _wait_on_disk(store: tierstore.TieredStore, total: int) -> float:
+    """Wait until ``total`` bytes are on disk; the CPU seconds the wait took on this thread
+    (Note: [The wait is not the store's CPU] in ``tierstore/bench/_paths.py``)."""
+    before = time.thread_time()
+    while True:
+        stats = store.stats()
+        if stats.inflight_bytes == 0 and stats.disk.bytes >= total:
+            return time.thread_time() - before
+        time.sleep(0.001)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="spill parent")
+    p.add_argument("--size", type=_size, default=64 << 20, help="bytes per tensor (64MiB)")
+    p.add_argument("--count", type=int, default=16, help="tensors per round (16)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds (6); the first spills anew")
+    p.add_argument("--no-read", action="store_true", help="spill only; release unread")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
+    args = p.parse_args(argv)
+    if args.size < 4 or args.count < 1 or args.rounds < 1:
+        p.error("--size must be at least 4 bytes, --count and --rounds at least 1")
+    torch.set_num_threads(args.threads)
+    n = args.size // 4
+    tensors = [torch.full((n,), float(i)) for i in range(args.count)]
+    gb = args.count * n * 4 / 1e9
+    rows: list[tuple[float, float, float, float]] = []
+    with tierstore.TieredStore(
+        device_bytes=0, host_bytes=0, min_bytes=0, disk_dir=args.dir
+    ) as store:
+        print(f"{args.count} x {n * 4 / 2**20:.0f} MiB per round, spilling under {args.dir}")
+        for r in range(args.rounds):
+            before = store.stats().disk.bytes
+            cpu, t0 = _cpu(), time.perf_counter()
+            handles = [store.put(t) for t in tensors]
+            waited = _wait_on_disk(store, before + args.count * n * 4)
+            write_s, write_cpu = time.perf_counter() - t0, _cpu() - cpu - waited
+            read_s = read_cpu = float("nan")
+            if not args.no_read:
+                cpu, t0 = _cpu(), time.perf_counter()
+                for i in reversed(range(args.count)):
+                    got = store.get(handles[i])
+                    if not torch.equal(got, tensors[i]):
+                        print(f"round {r}: tensor {i} read back wrong", file=sys.stderr)
+                        return 1
+                    del got
+                read_s, read_cpu = time.perf_counter() - t0, _cpu() - cpu
+            for h in handles:
+                store.release(h)
+            del handles
+            rows.append((gb / write_s, write_cpu / gb, gb / read_s, read_cpu / gb))
+            w, wc, rd, rc = rows[-1]
+            print(f"round {r}: write {w:.2f} GB/s {wc:.3f} CPU-s/GB | read {rd:.2f} GB/s "
+                  f"{rc:.3f} CPU-s/GB", flush=True)  # fmt: skip
+    steady = rows[1:] or rows
+    for name, col in (("write GB/s", 0), ("write CPU-s/GB", 1), ("read GB/s", 2),
+                      ("read CPU-s/GB", 3)):  # fmt: skip
+        values = sorted(row[col] for row in steady)
+        print(f"steady {name}: {values[0]:.3f} / {statistics.median(values):.3f} / "
+              f"{values[-1]:.3f} (min / median / max of {len(values)})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
