@@ -162,11 +162,11 @@ async def test_the_raw_engine_checks_a_source_on_its_io_thread(tmp_path: Path) -
         sources = [torch.full((64 << 10,), i, dtype=torch.uint8) for i in range(3)]
         big = torch.full((3 * MiB,), 9, dtype=torch.uint8)
         requests = [WriteRequest(i, s) for i, s in enumerate([*sources, big])]
-        task = asyncio.ensure_future(engine.write_many(requests))
-        await asyncio.sleep(0)  # the requests are queued; nothing is written yet
+        # Freed before the engine sees them: once queued, their storage can no longer be
+        # freed (Note: [A spill's source cannot be freed]).
         sources[1].untyped_storage().resize_(0)
         big.untyped_storage().resize_(0)
-        outcomes = await task
+        outcomes = await engine.write_many(requests)
         assert outcomes[0] is None and outcomes[2] is None
         assert isinstance(outcomes[1], TensorModifiedError)
         assert isinstance(outcomes[3], TensorModifiedError)
@@ -251,9 +251,10 @@ def test_a_storage_freed_and_regrown_before_its_spill_is_noticed(
     assert store.stats().write_errors == 0
 
 
+@pytest.mark.parametrize("size", SIZES.values(), ids=SIZES.keys())
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_storage_freed_while_its_spill_reads_it_is_refused_at_the_caller(
-    make_store: MakeStore, engine: str, monkeypatch: pytest.MonkeyPatch
+    make_store: MakeStore, engine: str, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Note: [A spill's source cannot be freed]. Without the mark, the zarr engine's threads
     read freed memory (the process died) and a buffered write failed with EFAULT, counted as
@@ -273,10 +274,11 @@ def test_a_storage_freed_while_its_spill_reads_it_is_refused_at_the_caller(
 
     if engine == "zarr":  # right after the engine took its view of the tensor
         monkeypatch.setattr(_zarr, "numpy_dtype", held(_zarr.numpy_dtype))
-    else:
-        monkeypatch.setattr(_chunk_io.ChunkIO, "write_chunk", held(_chunk_io.ChunkIO.write_chunk))
+    else:  # before a chunk is written, or a pack is copied and written
+        for name in ("write_chunk", "write_pack"):
+            monkeypatch.setattr(_chunk_io.ChunkIO, name, held(getattr(_chunk_io.ChunkIO, name)))
     store = _disk_store(make_store, engine)
-    t = torch.arange(SIZES["chunked"] // 4, dtype=torch.float32)
+    t = torch.arange(size // 4, dtype=torch.float32)
     expected = t.clone()
     h = store.put(t)
     try:

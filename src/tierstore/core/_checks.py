@@ -16,16 +16,17 @@ Note: [Writes after put]
     and then written in place raises only if backward needs it.
 
 Note: [A spill's source cannot be freed]
-    A tensor written to disk from its own pages (on the CPU, the caller's tensor; blobs over
-    1 MiB, and every blob of the zarr engine) goes through ``Tensor.numpy()``, which marks its
-    storage not resizable, for good, as it does for any tensor shared with numpy. So a caller
-    freeing that storage (``resize_(0)``) while I/O threads read it gets ``RuntimeError:
-    Trying to resize storage that is not resizable``, and the spill goes on; without the
-    mark the threads read freed memory, which crashed the process in zarr and was blamed on
-    the disk (EFAULT) in buffered writes. The price: the storage stays not resizable after
-    the release, so a later ``resize_`` that must grow it, or ``resize_(0)``, raises too.
-    Small blobs, copied into packs under the GIL, and copies of the store's own leave the
-    storage as it was.
+    A tensor the disk engine reads from its own pages (on the CPU, the caller's tensor: written
+    alone, copied into a pack, or handed to zarr) goes through ``Tensor.numpy()`` first, which
+    marks its storage not resizable, for good, as it does for any tensor shared with numpy.
+    So a caller freeing that storage (``resize_(0)``) while I/O threads read it gets
+    ``RuntimeError: Trying to resize storage that is not resizable``, and the spill goes on.
+    Without the mark the threads read freed memory: the process crashed (zarr; a pack's copy,
+    which lets the GIL go from 256 KiB, and which a check just before cannot protect, since
+    another thread may run between the two), or the disk was blamed (EFAULT in a buffered
+    write). The price: the storage stays not resizable after the release, so a later
+    ``resize_`` that must grow it, or ``resize_(0)``, raises too. Copies of the store's own
+    (a host copy of a GPU tensor, a compacted view) leave the caller's storage as it was.
 """
 
 from __future__ import annotations

@@ -134,6 +134,9 @@ class Packs:
 
     def enqueue_write(self, src: torch.Tensor, waiter: Waiter) -> PackItem:
         """Add ``src`` to the open pack; ``waiter`` hears when its piece is written."""
+        # Copies of 256 KiB and more let the GIL go, and a caller's resize_(0) may run between
+        # any check and the copy: Note: [A spill's source cannot be freed].
+        src.numpy()
         item = PackItem(src, waiter, src.data_ptr())
         padded = pad(src.numel())
         if self._pack_bytes + padded > self._chunk:
