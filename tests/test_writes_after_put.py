@@ -5,7 +5,6 @@ See Note: [Writes after put].
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable
 from pathlib import Path

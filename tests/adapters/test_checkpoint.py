@@ -690,3 +690,26 @@ def test_an_object_that_is_not_a_store_is_refused_at_once(tmp_path: Path) -> Non
     astore = tierstore.AsyncTieredStore(disk_dir=tmp_path)
     with pytest.raises(TypeError, match="synchronously: pass a TieredStore"):
         tierstore.offload_activations(astore)  # type: ignore[arg-type]
+
+
+# Forward AD's first use loads decompositions that torch itself scripts with torch.jit.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_a_checkpoint_under_torch_func_jvp_matches_torchs(store_factory: StoreFactory) -> None:
+    """Inside jvp the inputs are functorch wrappers of type Tensor with no storage: storing
+    one raised NotImplementedError. They stay in memory, as torch's checkpoint keeps them."""
+    from torch.func import jvp
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    w, x, v = (torch.randn(600, 600) for _ in range(3))  # 1.4 MiB: over min_bytes
+
+    def block(a: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(a @ w).exp()
+
+    expected = jvp(lambda a: torch_checkpoint(block, a, use_reentrant=False), (x,), (v,))
+    got = jvp(lambda a: tierstore.checkpoint(block, a, store=store), (x,), (v,))
+    assert_equal_tensors(list(expected), list(got))
+    assert store.stats().skipped.get("unsupported", 0) > 0
+    with pytest.raises(tierstore.UnsupportedTensorError, match=r"torch\.func transform"):
+        jvp(lambda a: store.put(a) and a, (x,), (v,))

@@ -40,6 +40,8 @@ from tierstore.errors import TensorModifiedError, UnsupportedTensorError
 from tierstore.tiers import _accelerator
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tierstore.core._entries import Entry
 
 __all__ = [
@@ -52,6 +54,10 @@ __all__ = [
     "unsupported",
     "version_of",
 ]
+
+_functorch_wrapped: Callable[[torch.Tensor], bool] = getattr(
+    getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", lambda t: False
+)
 
 PLAIN_SUBCLASSES: set[type[torch.Tensor]] = set()
 """Tensor subclasses stored as plain tensors besides ``nn.Parameter``: tests add the stream
@@ -79,6 +85,13 @@ def unsupported(t: object) -> str | None:
         return "nested tensors are not supported; keep them in memory"
     if t.is_quantized:
         return "quantized tensors are not supported; store .int_repr() and the scales instead"
+    if _functorch_wrapped(t):
+        # Inside torch.func's transforms (jvp, vmap) a tensor is a wrapper of type Tensor
+        # with no storage: asking for its bytes raised NotImplementedError.
+        return (
+            "a tensor inside a torch.func transform (jvp, vmap) has no storage of its own; "
+            "keep it in memory"
+        )
     if t._is_zerotensor():
         # Forward-mode AD's stand-in for zeros has no memory: its write to disk failed and
         # paused the disk tier.
