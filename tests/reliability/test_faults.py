@@ -399,11 +399,23 @@ def test_close_hands_the_read_pools_buffers_back(make_store: MakeStore) -> None:
     fetching = {TensorState.FETCHING}
     wait_for(lambda: settled(store) and not fetching & set(map(store.state_of, handles[:4])))
     del held
-    free = [m for maps in pool._free.values() for m in maps if isinstance(m, mmap.mmap)]
+    free = [m for maps in pool._free.values() for m in maps]
     assert free and pool.mapped_bytes > 0
     store.close()
     assert pool.mapped_bytes == 0
-    assert all(m.closed for m in free), "a free read buffer is still mapped after close"
+    # A map of its own is closed; a buffer cut from a wider map (a huge-page slab's piece, a
+    # buffer cut at a 2 MiB boundary) is a view, released so that its map can go.
+    assert all(m.closed if isinstance(m, mmap.mmap) else _released(m) for m in free), (
+        "a free read buffer is still mapped after close"
+    )
+
+
+def _released(view: memoryview) -> bool:
+    try:
+        len(view)
+    except ValueError:
+        return True
+    return False
 
 
 def test_eio_on_prefetch_surfaces_at_get(make_store: MakeStore) -> None:
