@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,24 @@ def test_a_full_quota_backs_off_instead_of_failing_every_second(
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2, [r.getMessage() for r in warnings]
     assert "for 1s before it tries again" in warnings[1].getMessage()
+
+
+@pytest.mark.parametrize("code", [errno.EDQUOT, errno.ENOSPC, errno.EIO])
+def test_the_tensors_of_one_failed_pack_are_one_failure(
+    world: World, caplog: pytest.LogCaptureFixture, code: int
+) -> None:
+    """Note: [One failure, many tensors]: eight tensors of one pack failing together doubled
+    the quota's pause seven times (60 s) and warned eight times."""
+    room = _room(world)
+    error = OSError(code, os.strerror(code))
+    with caplog.at_level(logging.INFO, logger="tierstore"):
+        for n in range(8):
+            room.write_failed(f"tensor #{n + 1}", (n + 1) * 64 * 1024, error)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "tensor #1" in warnings[0].getMessage()
+    if code != errno.EIO:
+        assert room.need == 8 * 64 * 1024  # the largest that failed
+    world.now += disk_room.RETRY_SECONDS
+    if code == errno.ENOSPC:
+        world.free = MiB
+    assert room.recheck(), "one failure pauses the tier for one retry interval"

@@ -206,15 +206,26 @@ class DiskRoom:
         self._quota_failures = 0
 
     def write_failed(self, what: str, footprint: int, exc: BaseException) -> None:
-        """Pause the tier after a failed write of ``what`` (``footprint`` bytes), and say so."""
+        """Pause the tier after a failed write of ``what`` (``footprint`` bytes), and say so.
+
+        Note: [One failure, many tensors]
+            The tensors of a pack fail together, and so do writes already in flight when the
+            first failed: each calls this. Only a failure while the tier was not paused starts
+            a pause, counts toward the quota's doubling and warns; the others are logged at
+            INFO and only raise the room the pause waits for. Counted per tensor, one failed
+            pack of eight 64 KiB tensors doubled the quota's pause seven times (60 s instead
+            of 1 s) and logged eight warnings.
+        """
+        paused = self.failed_at is not None  # this write was in flight when the tier paused
         self.failed_at = self._clock()
         code = exc.errno if isinstance(exc, OSError) else None
         why = errno.errorcode.get(code, "") if code else ""
-        level = logging.WARNING
+        level = logging.INFO if paused else logging.WARNING
         if code == errno.EDQUOT:
-            self.need = max(footprint, 1)
+            self.need = max(footprint, self.need if paused else 1)
             self._engine_was_full = True
-            self._quota_failures += 1
+            if not paused:
+                self._quota_failures += 1
             if self._quota_failures > 1:
                 level = logging.INFO  # the run's first failure warned
             pause = min(RETRY_SECONDS * 2 ** (self._quota_failures - 1), QUOTA_RETRY_MAX_SECONDS)
@@ -224,7 +235,7 @@ class DiskRoom:
                 "stays full)"
             )
         elif code == errno.ENOSPC:
-            self.need = max(footprint, 1)
+            self.need = max(footprint, self.need if paused else 1)
             self._engine_was_full = True
             until = "until that much space is free again"
         else:
