@@ -867,3 +867,25 @@ def test_junk_in_the_environment_is_refused_before_anything_is_made(
     assert msg.startswith(f"{var}="), msg
     assert repr(value) in msg or value in msg
     assert list(disk_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("direct_io", ["on", "off"])
+def test_a_spill_directory_removed_under_a_running_store_keeps_spilling(
+    make_store: MakeStore, direct_io: str
+) -> None:
+    """Its file stays open, so the store goes on. Buffered writes opened the file again by its
+    path, once per I/O thread, to check their write-back: every one failed with ENOENT and
+    the disk tier paused again and again."""
+    store = make_store(host_bytes=0, direct_io=direct_io, io_chunk_bytes="1MiB")
+    first = [torch.randn(MiB // 2) for _ in range(2)]
+    handles = [store.put(t) for t in first]
+    wait_for(lambda: settled(store))
+    shutil.rmtree(store.spill_dirs[0])
+    later = [torch.randn(MiB // 2) for _ in range(6)]  # 2 MiB each: two chunks
+    handles += [store.put(t) for t in later]
+    wait_for(lambda: settled(store))
+    assert all(store.tier_of(h) is tierstore.Tier.DISK for h in handles)
+    for h, t in zip(handles, [*first, *later], strict=True):
+        assert torch.equal(store.get(h), t)
+    stats = store.stats()
+    assert stats.write_errors == 0 and stats.disk_available

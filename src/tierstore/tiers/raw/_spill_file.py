@@ -133,7 +133,12 @@ class SpillFile:
         me = threading.get_ident()
         fd = self._check_fds.get(me)
         if fd is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                # A new description of the open file, even once its path is gone (the spill
+                # directory removed under a running store): the path failed every write.
+                fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:  # no /proc
+                fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             if identity_of(fd) != self._identity:
                 os.close(fd)
                 raise OSError(errno.ESTALE, f"{self.path} is no longer the spill file")
