@@ -645,6 +645,54 @@ def test_a_full_striped_directory_is_skipped_without_root(
             store.close()
 
 
+def test_a_full_striped_directory_is_not_reopened_for_a_share_it_cannot_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Note: [A full directory is skipped]: with room for one chunk but not for its share of a
+    blob (three chunks in one extent), the full directory was reopened, failed two growths
+    and was marked full again, on every big blob."""
+    import errno
+
+    from tierstore.tiers.raw._spill_file import SpillFile
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    real_fallocate, real_free = os.posix_fallocate, SpillFile.free_space
+    left = {"a": 3 * MiB // 2}  # room for a 1 MiB chunk, not for 3 MiB
+    refused: list[int] = []
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(f"{a}/"):
+            if length > left["a"]:
+                refused.append(length)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            left["a"] -= length
+        real_fallocate(fd, offset, length)
+
+    def free_space(self: Any) -> int:
+        return left["a"] if str(self.path).startswith(f"{a}/") else real_free(self)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(SpillFile, "free_space", free_space)
+    with caplog.at_level(logging.INFO, logger="tierstore"):
+        store = TieredStore(disk_dir=[a, b], host_bytes=0, min_bytes=0, io_chunk_bytes="1MiB")
+        try:
+            tensors = [torch.randn(6 * MiB // 4) for _ in range(8)]  # 6 MiB: 3 chunks each
+            hs = []
+            for t in tensors:  # one at a time: each is placed after the last one failed
+                hs.append(store.put(t))
+                wait_for(lambda: settled(store))
+            assert len(refused) <= 2, f"the full directory was tried {len(refused)} times"
+            reopened = [r for r in caplog.records if r.getMessage().endswith("has room again")]
+            assert reopened == []
+            assert store.stats().write_errors == 0
+            for h, t in zip(hs, tensors, strict=True):
+                assert torch.equal(store.get(h), t)
+        finally:
+            store.close()
+
+
 def test_a_striped_directory_over_its_quota_is_not_retried_at_every_placement(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

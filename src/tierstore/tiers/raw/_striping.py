@@ -56,7 +56,9 @@ class Striping:
         first = self._next_dir
         self._next_dir = (first + len(cuts)) % n_dirs
         rotation = [(first + k) % n_dirs for k in range(n_dirs)]
-        return await self._place_somewhere(rotation, max(on_disk, default=0), size, lead, cuts)
+        # What one directory takes of this blob: its chunks, in one extent.
+        share = max(sum(on_disk[k::n_dirs]) for k in range(n_dirs)) if on_disk else 0
+        return await self._place_somewhere(rotation, share, size, lead, cuts)
 
     async def place_pack(self, total: int) -> tuple[SpillFile, int]:
         """One extent of ``total`` bytes for a pack, in the next directory with room.
@@ -147,19 +149,21 @@ class Striping:
             directories, so it goes where there is room; only when every directory is full
             does the write fail with ENOSPC (the store then keeps the tensor in memory until
             the space returns). A full directory is tried again once its filesystem has room
-            for a chunk, or its spill file has free extents for one; until then its chunks
-            go to the others. The store's free-space check sums every directory, and a full
-            one adds about nothing to that sum. After EDQUOT the filesystem's free space says
-            nothing (``statvfs`` does not see a quota, and every placement retried the
-            directory): it is tried again after ``QUOTA_RETRY_SECONDS``, or once its file
-            has the room.
+            for its share of the blob (its chunks, which take one extent), or its spill file
+            has a free extent that long; until then its chunks go to the others. (Tried again when
+            the room for one chunk was back, or the free extents summed to one, a full directory
+            failed two growths on every big blob.) The store's free-space check sums every
+            directory, and a full one adds about nothing to that sum. After EDQUOT the filesystem's
+            free space says nothing (``statvfs`` does not see a quota, and every placement retried
+            the directory): it is tried again after ``QUOTA_RETRY_SECONDS``, or once its file has
+            the room.
         """
         order = []
         now = time.monotonic()
         for d in rotation:
             f = self.files[d]
             if f.full and (
-                f.extents.free_bytes >= least
+                f.extents.largest() >= least
                 or (
                     f.free_space() >= least
                     if f.quota_full_at is None
