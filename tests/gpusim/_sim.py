@@ -234,6 +234,10 @@ class SimTensor(torch.Tensor):
         )
         if alloc is not None:
             torch._functionalize_unsafe_set(t, alloc.root)
+        # The lazy bits show on the stand-in as on a device tensor: code that tests is_conj()
+        # or is_neg(), or calls resolve_conj(), sees what it would on CUDA.
+        torch._C._set_conj(t, elem.is_conj())
+        torch._C._set_neg(t, elem.is_neg())
         t._alloc = alloc
         t._elem = elem
         return t  # type: ignore[no-any-return]
@@ -661,8 +665,12 @@ class Simulator:
             s = src._elem
             if non_blocking and self.is_pinned(dst):
                 d = _alias(dst)
+                # As CUDA does: the copy moves the bytes, and the fix-up for a lazy conj/neg
+                # bit runs on the host before the bytes land, so it is lost (pytorch#146286).
+                raw = s.conj() if s.is_conj() else s
+                raw = raw._neg_view() if raw.is_neg() else raw
                 self.launch(
-                    stream, "copy d2h", lambda: d.copy_(s), {src._alloc.id}, {dst.data_ptr()}
+                    stream, "copy d2h", lambda: d.copy_(raw), {src._alloc.id}, {dst.data_ptr()}
                 )
             else:
                 self.launch(stream, "copy d2h (blocking)", lambda: dst.copy_(s), {src._alloc.id})

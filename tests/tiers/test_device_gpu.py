@@ -77,3 +77,15 @@ def test_training_on_a_gpu_equals_no_offloading(env: Env, device: str, layout: s
     ckpt = step(model, x, layer=lambda block, h: tierstore.checkpoint(block, h, store=store))
     assert_same(hooks, plain)
     assert_same(ckpt, plain)
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_a_tensor_with_a_lazy_bit_comes_back_resolved_on_a_gpu(env: Env, bit: str) -> None:
+    """What the simulator assumes of CUDA: a non-blocking copy into pinned memory loses a
+    lazy conj or neg bit; the store resolves it first."""
+    x = torch.complex(torch.arange(8.0), torch.arange(8.0) + 0.5).to("cuda:0")
+    t = x.conj() if bit == "conj" else torch._neg_view(torch.arange(8.0, device="cuda:0"))
+    want = t.resolve_conj().resolve_neg().cpu()
+    store = env.store("host", host_bytes="unlimited")
+    h = store.put(t)
+    assert torch.equal(store.get(h).cpu(), want)

@@ -59,8 +59,10 @@ GPU_MUTANTS = (
         "    with _accelerator.use_stream(stream):\n        if ready is not None:\n"
         "            stream.wait_event(ready)\n"
         "        # After the wait, on the side stream (Note: [Copy ordering on an accelerator]).\n"
-        "        src = t if t.is_contiguous() else t.contiguous()\n",
-        "    src = t if t.is_contiguous() else t.contiguous()\n"
+        "        src = t.resolve_conj().resolve_neg()\n"
+        "        src = src if src.is_contiguous() else src.contiguous()\n",
+        "    src = t.resolve_conj().resolve_neg()\n"
+        "    src = src if src.is_contiguous() else src.contiguous()\n"
         "    with _accelerator.use_stream(stream):\n        if ready is not None:\n"
         "            stream.wait_event(ready)\n",
         "put_get_each_tier",

@@ -824,3 +824,19 @@ def test_spills_move_between_the_pinned_pool_and_the_disk_without_a_copy(
     assert torch.equal(on_host(got), big[0][1])
     assert not [c for c in copied if in_pool(c[0]) or in_pool(c[1])], "a bounce copy"
     assert store.stats().bytes_from_disk == 3 * MiB
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_a_device_tensor_with_a_lazy_bit_comes_back_resolved(env: Env, bit: str) -> None:
+    """CUDA's non-blocking copy into pinned memory moves the bytes and loses a lazy conj or
+    neg bit (its host fix-up runs before the bytes land); the store copied ``x.conj()`` so,
+    and gave back the unconjugated values. The simulator's copy does as CUDA does."""
+    store = env.store("host", host_bytes="unlimited")
+    x = torch.complex(torch.arange(8.0), torch.arange(8.0) + 0.5).to("cuda:0")
+    # Contiguous, as a strided one would be made contiguous (and resolved) before the copy.
+    t = x.conj() if bit == "conj" else torch._neg_view(torch.arange(8.0).to("cuda:0"))
+    assert t.is_conj() if bit == "conj" else t.is_neg()
+    want = on_host(t.resolve_conj().resolve_neg())
+    h = store.put(t)
+    assert rests(store, h) is Tier.HOST
+    assert torch.equal(on_host(store.get(h)), want)

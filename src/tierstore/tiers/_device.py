@@ -203,11 +203,14 @@ async def copy_to_host(t: torch.Tensor, ready: Any, pool: PinnedPool | None = No
     buf = _host_target(t.numel() * t.element_size(), pool)
     host = from_bytes(buf, t.dtype, tuple(t.shape))
     done = _accelerator.new_event(t.device)
+    # A lazy conj or neg bit is resolved before the copy: a non-blocking copy into pinned
+    # memory moves the bytes and loses the bit (its host fix-up runs before the bytes land).
     with _accelerator.use_stream(stream):
         if ready is not None:
             stream.wait_event(ready)
         # After the wait, on the side stream (Note: [Copy ordering on an accelerator]).
-        src = t if t.is_contiguous() else t.contiguous()
+        src = t.resolve_conj().resolve_neg()
+        src = src if src.is_contiguous() else src.contiguous()
         host.copy_(src, non_blocking=True)
         done.record(stream)
     del src
