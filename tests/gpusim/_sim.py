@@ -666,7 +666,7 @@ class Simulator:
             if non_blocking and self.is_pinned(dst):
                 d = _alias(dst)
                 # As CUDA does: the copy moves the bytes, and the fix-up for a lazy conj/neg
-                # bit runs on the host before the bytes land, so it is lost (pytorch#146286).
+                # bit runs on the host before the bytes land, so it is lost.
                 raw = s.conj() if s.is_conj() else s
                 raw = raw._neg_view() if raw.is_neg() else raw
                 self.launch(
