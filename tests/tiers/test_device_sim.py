@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -840,3 +841,33 @@ def test_a_device_tensor_with_a_lazy_bit_comes_back_resolved(env: Env, bit: str)
     h = store.put(t)
     assert rests(store, h) is Tier.HOST
     assert torch.equal(on_host(store.get(h)), want)
+
+
+def test_an_upload_released_while_its_fetch_ends_is_discarded(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The entry goes while its upload is queued on the up stream: the upload nobody takes
+    must be discarded (its memory's stream waits for the copy), or the next tensor allocated
+    there is written by the copy still running."""
+    from tierstore.core import _transfers
+
+    store = env.store("host")
+    t, _ = produced("cuda:0", "contiguous", seed=3)
+    h = store.put(t)
+    del t
+    assert rests(store, h) is Tier.HOST
+    real = _transfers.Transfers._fetched
+    box = [h]
+
+    def fetched_then_released(self: Any, *args: Any) -> Any:
+        out = real(self, *args)
+        store._core.release(box.pop())  # on the loop thread, inside the store's call
+        return out
+
+    monkeypatch.setattr(_transfers.Transfers, "_fetched", fetched_then_released)
+    store.prefetch([h])
+    del h
+    wait_for(lambda: store.stats().live_entries == 0 and settled(store))
+    gc.collect(1)
+    after = torch.full((48, 40), 7.0, device="cuda:0")
+    assert torch.equal(on_host(after), torch.full((48, 40), 7.0))
