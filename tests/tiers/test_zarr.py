@@ -275,3 +275,42 @@ async def test_a_full_directory_is_skipped_until_it_has_room(
             await engine.read(11, torch.empty(100, dtype=torch.uint8))
     finally:
         await engine.close()
+
+
+async def test_a_directory_over_its_quota_is_not_retried_at_every_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EDQUOT: ``statvfs`` shows the filesystem free, so the directory marked full was tried
+    again by every array keyed to it, each writing its chunks, failing and being removed. It
+    is now skipped for QUOTA_RETRY_SECONDS, then tried once."""
+    import errno
+    import time
+
+    from tierstore.tiers import _zarr
+
+    engine = ZarrEngine(make_dirs(tmp_path, 2), StoreConfig.from_env({}, io_chunk_bytes=CHUNK))
+    tried: list[int] = []
+    real_write = ZarrEngine._write
+
+    def write(self: ZarrEngine, key: int, src: torch.Tensor, *args: object) -> object:
+        if args[-1] == 0:
+            tried.append(key)
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+        return real_write(self, key, src, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ZarrEngine, "_write", write)
+    monkeypatch.setattr(_zarr, "QUOTA_RETRY_SECONDS", 0.3)
+    srcs = {k: random_bytes(3 * CHUNK + k, seed=k) for k in range(10)}
+    try:
+        for k, t in srcs.items():
+            await engine.write(k, t)
+        assert tried == [0], f"the directory over its quota was tried for keys {tried}"
+        time.sleep(0.35)
+        await engine.write(20, random_bytes(100))  # its home is directory 0: tried again
+        assert tried == [0, 20]
+        for k, t in srcs.items():
+            out = torch.empty_like(t)
+            await engine.read(k, out)
+            assert torch.equal(out, t)
+    finally:
+        await engine.close()

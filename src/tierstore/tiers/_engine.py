@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DISK_FULL",
+    "QUOTA_RETRY_SECONDS",
     "DiskEngine",
     "WriteRequest",
     "check_bytes",
@@ -47,6 +48,9 @@ __all__ = [
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 """The errors of a filesystem (or a quota) without room: engines skip such a directory."""
+QUOTA_RETRY_SECONDS = 10.0
+"""How long an engine skips a directory over its user's quota before trying it again:
+``statvfs`` does not see a quota, so the filesystem's free space cannot say when it is back."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import math
 import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tierstore.errors import CorruptTensorError
-from tierstore.tiers._engine import DISK_FULL, DiskEngine, free_space
+from tierstore.tiers._engine import DISK_FULL, QUOTA_RETRY_SECONDS, DiskEngine, free_space
 from tierstore.tiers._on_thread import on_thread
 
 if TYPE_CHECKING:
@@ -106,7 +108,8 @@ class ZarrEngine(DiskEngine):
         self._writing: set[int] = set()
         """Each stored key's bytes, the directory (index) its array is in, and the array's
         metadata as written (Note: [The metadata is checked too])."""
-        self._full: set[int] = set()
+        self._full: dict[int, float | None] = {}
+        """Directories marked full, with when a quota (EDQUOT) marked them (None: ENOSPC)."""
         self._warned_full: set[int] = set()
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-zarr")
         self._closed = False
@@ -122,21 +125,30 @@ class ZarrEngine(DiskEngine):
             for want of space (ENOSPC, EDQUOT) marks its directory full, with one warning,
             and the array is written in the next directory instead; only when every one is
             full does the write fail. A full directory is tried again once its filesystem
-            has room for the array.
+            has room for the array; one over its quota, after ``QUOTA_RETRY_SECONDS``
+            (``statvfs`` does not see a quota: tried again at once, every array keyed to it
+            wrote its chunks, failed and was removed).
         """
         n = len(self._roots)
         order = []
+        now = time.monotonic()
         for i in ((key + j) % n for j in range(n)):
-            if i in self._full and free_space(self._roots[i]) >= self.footprint(nbytes):
-                self._full.discard(i)
-                log.info("tierstore: spill directory %s has room again", self.directories[i])
+            if i in self._full:
+                since = self._full[i]
+                if (
+                    free_space(self._roots[i]) >= self.footprint(nbytes)
+                    if since is None
+                    else now - since >= QUOTA_RETRY_SECONDS
+                ):
+                    del self._full[i]
+                    log.info("tierstore: spill directory %s has room again", self.directories[i])
             if i not in self._full:
                 order.append(i)
         # All full: try them all anyway (the space may be back); the error then says so.
         return order or [(key + j) % n for j in range(n)]
 
     def _mark_full(self, home: int, error: OSError) -> None:
-        self._full.add(home)
+        self._full[home] = time.monotonic() if error.errno == errno.EDQUOT else None
         if len(self._roots) > 1 and home not in self._warned_full:
             self._warned_full.add(home)
             log.warning(

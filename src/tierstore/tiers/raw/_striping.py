@@ -9,7 +9,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tierstore.tiers._engine import DISK_FULL
+from tierstore.tiers._engine import DISK_FULL, QUOTA_RETRY_SECONDS
 from tierstore.tiers.raw._layout import Blob, Chunk, cut
 from tierstore.tiers.raw._syscalls import pad
 
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
 __all__ = ["QUOTA_RETRY_SECONDS", "Striping"]
 
-QUOTA_RETRY_SECONDS = 10.0
 """How long a directory whose spill file hit its user's quota is skipped before it is tried
 again (Note: [A full directory is skipped])."""
 
