@@ -693,6 +693,62 @@ def test_a_full_striped_directory_is_not_reopened_for_a_share_it_cannot_take(
             store.close()
 
 
+@pytest.mark.parametrize("where", ["growth", "write"])
+def test_a_failing_striped_directory_is_skipped_for_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    """Note: [A failing directory is skipped]: one directory's spill file fails with an error
+    a full disk does not explain (EROFS growing it, EIO writing it). Every big blob striped
+    over it failed, the disk tier paused once a second, and the other directory sat unused."""
+    import errno
+
+    from tierstore.tiers.raw import _chunk_io, _striping
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    real_fallocate, real_pwrite = os.posix_fallocate, _chunk_io.pwrite_all
+    failed: list[int] = []
+
+    def in_a(fd: int) -> bool:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(f"{a}/")
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        if where == "growth" and in_a(fd):
+            failed.append(length)
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        real_fallocate(fd, offset, length)
+
+    def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+        if where == "write" and in_a(fd):
+            failed.append(len(view))
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_pwrite(fd, view, offset)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    monkeypatch.setattr(_chunk_io, "pwrite_all", pwrite_all)
+    monkeypatch.setattr(_striping, "QUOTA_RETRY_SECONDS", 60.0)
+    with caplog.at_level(logging.INFO, logger="tierstore"):
+        store = TieredStore(disk_dir=[a, b], host_bytes=0, min_bytes=0, io_chunk_bytes="1MiB")
+        try:
+            tensors = [torch.randn(MiB + i) for i in range(6)]  # 4 MiB: chunks in both
+            hs = [store.put(t) for t in tensors]
+            wait_for(lambda: settled(store))
+            errors, tried = store.stats().write_errors, len(failed)
+            assert tried > 0
+            time.sleep(1.1)  # the store's pause after a failed write (RETRY_SECONDS)
+            # The tensors whose writes failed stayed in memory; the next puts spill them too.
+            more = [torch.randn(MiB + i) for i in range(6)]
+            hs += [store.put(t) for t in more]
+            wait_for(lambda: all(store.tier_of(h) is tierstore.Tier.DISK for h in hs))
+            assert len(failed) == tried, "the failing directory was tried again at once"
+            assert store.stats().write_errors == errors
+            for h, t in zip(hs, [*tensors, *more], strict=True):
+                assert torch.equal(store.get(h), t)
+        finally:
+            store.close()
+
+
 def test_a_striped_directory_over_its_quota_is_not_retried_at_every_placement(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

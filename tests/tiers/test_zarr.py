@@ -277,12 +277,14 @@ async def test_a_full_directory_is_skipped_until_it_has_room(
         await engine.close()
 
 
+@pytest.mark.parametrize("code", ["EDQUOT", "EIO"])
 async def test_a_directory_over_its_quota_is_not_retried_at_every_write(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str
 ) -> None:
     """EDQUOT: ``statvfs`` shows the filesystem free, so the directory marked full was tried
     again by every array keyed to it, each writing its chunks, failing and being removed. It
-    is now skipped for QUOTA_RETRY_SECONDS, then tried once."""
+    is now skipped for QUOTA_RETRY_SECONDS, then tried once. A failing one (EIO) too: its
+    error failed the write, though the other directory had room."""
     import errno
     import time
 
@@ -295,7 +297,8 @@ async def test_a_directory_over_its_quota_is_not_retried_at_every_write(
     def write(self: ZarrEngine, key: int, src: torch.Tensor, *args: object) -> object:
         if args[-1] == 0:
             tried.append(key)
-            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+            number = getattr(errno, code)
+            raise OSError(number, os.strerror(number))
         return real_write(self, key, src, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(ZarrEngine, "_write", write)

@@ -148,13 +148,16 @@ class ZarrEngine(DiskEngine):
         return order or [(key + j) % n for j in range(n)]
 
     def _mark_full(self, home: int, error: OSError) -> None:
-        self._full[home] = time.monotonic() if error.errno == errno.EDQUOT else None
+        """Skip ``home``: until its filesystem has room after ENOSPC, for
+        ``QUOTA_RETRY_SECONDS`` after EDQUOT or an error a full disk does not explain."""
+        self._full[home] = None if error.errno == errno.ENOSPC else time.monotonic()
         if len(self._roots) > 1 and home not in self._warned_full:
             self._warned_full.add(home)
             log.warning(
-                "tierstore: spill directory %s is full (%s); spilling to the other "
-                "directories until it has room again (warned once)",
+                "tierstore: spill directory %s %s (%s); spilling to the other directories "
+                "until it has room again (warned once)",
                 self.directories[home],
+                "is full" if error.errno in DISK_FULL else "failed",
                 error.strerror or error,
             )
 
@@ -201,7 +204,9 @@ class ZarrEngine(DiskEngine):
                 # Cancelled or failed: let the thread finish before removing what it made.
                 await asyncio.wait([fut])
                 await loop.run_in_executor(self._pool, _remove, self._path(key, home))
-                if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+                if isinstance(exc, OSError):
+                    # Full, or failing (Note: [A failing directory is skipped] in the raw
+                    # engine's striping): the next directory takes the array.
                     self._mark_full(home, exc)
                     if n + 1 < len(homes):
                         continue

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from tierstore.tiers.raw._layout import Blob, PackedBlob
+    from tierstore.tiers.raw._layout import Blob, Chunk, PackedBlob
 
 __all__ = ["ChunkIO", "check_source"]
 
@@ -85,7 +85,13 @@ class ChunkIO:
         """Write chunk ``i`` of ``blob`` from ``view`` (``owner``'s bytes, at ``address``)."""
         check_source(owner, address)
         c = blob.chunks[i]
-        src = address + c.start
+        try:
+            self._write_chunk(blob, i, view, address + c.start, c)
+        except OSError as exc:
+            c.file.note_failure(exc)  # Note: [A failing directory is skipped]
+            raise
+
+    def _write_chunk(self, blob: Blob, i: int, view: memoryview, src: int, c: Chunk) -> None:
         padded = pad(c.lead + c.length)
         if not c.file.direct:
             # Before the write: see Note: [Each thread checks write-back on its own descriptor].
@@ -185,10 +191,14 @@ class ChunkIO:
                     b.crc = crc32c(at, b.size)
             last = blobs[-1]
             total = last.offset + pad(last.size) - first.offset
-            check = None if first.file.direct else first.file.writeback_fd()
-            pwrite_all(first.file.fd, buf.view[:total], first.offset)
-            if check is not None:
-                drop_cached(check, first.offset, total, dirty=True)
+            try:
+                check = None if first.file.direct else first.file.writeback_fd()
+                pwrite_all(first.file.fd, buf.view[:total], first.offset)
+                if check is not None:
+                    drop_cached(check, first.offset, total, dirty=True)
+            except OSError as exc:
+                first.file.note_failure(exc)  # Note: [A failing directory is skipped]
+                raise
         finally:
             self._bounce.put(buf)
         return changed

@@ -6,10 +6,11 @@ import contextlib
 import errno
 import os
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from tierstore._inherited import close_copies, identity_of
-from tierstore.tiers._engine import DISK_FULL, free_space
+from tierstore.tiers._engine import DISK_FULL, QUOTA_RETRY_SECONDS, free_space
 from tierstore.tiers.raw._extents import Extents
 from tierstore.tiers.raw._syscalls import O_DIRECT, pad
 
@@ -62,10 +63,29 @@ class SpillFile:
         self.quota_full_at: float | None = None
         """When it failed with EDQUOT, which the filesystem's free space does not show."""
         self.warned_full = False
+        self.failing_at: float | None = None
+        self._failure: tuple[int | None, str | None] = (None, None)
+        """When a write or a growth here last failed with an error other than a full disk
+        (EIO, EROFS, ENOENT): the directory is skipped for a while (Note: [A failing
+        directory is skipped])."""
         self._check_fds: dict[int, int] = {}
         """Each I/O thread's own descriptor, by thread: only that thread adds its entry (one
         dict store, atomic), and only ``close_descriptor`` reads them all, once the threads
         have stopped. No lock: a fork does not wait (Note: [Descriptors across fork])."""
+
+    def note_failure(self, error: OSError) -> None:
+        """Remember a failed write or growth that a full disk does not explain."""
+        if error.errno not in DISK_FULL:
+            self.failing_at = time.monotonic()
+            self._failure = (error.errno, error.strerror)
+
+    def _failing(self) -> OSError | None:
+        """The last failure, while its directory is skipped (Note: [A failing directory is
+        skipped]): growths queued before it are refused without a system call."""
+        if self.failing_at is None or time.monotonic() - self.failing_at >= QUOTA_RETRY_SECONDS:
+            return None
+        code, why = self._failure
+        return OSError(code, f"{self.path} failed a moment ago: {why}", str(self.path))
 
     def free_space(self) -> int:
         """Bytes the filesystem of this file's directory has free for this user."""
@@ -88,6 +108,9 @@ class SpillFile:
             offset = self.extents.alloc(nbytes)
             if offset is not None:
                 return offset
+            failing = self._failing()
+            if failing is not None:
+                raise failing
             old = self.extents.size
             step = min(max(old, GROW_MIN), GROW_MAX)
             if self.reserve_limit is not None:

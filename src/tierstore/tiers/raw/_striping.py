@@ -41,6 +41,7 @@ class Striping:
         self._chunk = chunk
         self._pool = pool
         self._next_dir = 0
+        self._warned_failing: set[int] = set()
 
     async def place(self, size: int, lead: int) -> Blob:
         """Cut a blob into chunks, stripe them, and allocate one extent per directory used.
@@ -92,7 +93,10 @@ class Striping:
                 return await self._place_on(order[:1] if alone else order, size, lead, cuts)
             except _DirectoryFull as full:
                 rotation.remove(full.index)
-                self._mark_full(full.index, full.error, bool(rotation))
+                if full.error.errno in DISK_FULL:
+                    self._mark_full(full.index, full.error, bool(rotation))
+                elif rotation:
+                    self._warn_failing(full.index, full.error)
                 if not rotation:
                     raise full.error from None
 
@@ -121,9 +125,8 @@ class Striping:
                     try:
                         offset = await self._grow(f, need)
                     except OSError as e:
-                        if e.errno in DISK_FULL:
-                            raise _DirectoryFull(d, e) from e
-                        raise
+                        f.note_failure(e)
+                        raise _DirectoryFull(d, e) from e
                 blob.extents.append((f, offset, need))
                 at = offset
                 for i in indices:
@@ -161,6 +164,12 @@ class Striping:
         now = time.monotonic()
         for d in rotation:
             f = self.files[d]
+            if f.failing_at is not None:
+                # Note: [A failing directory is skipped]
+                if now - f.failing_at < QUOTA_RETRY_SECONDS:
+                    continue
+                f.failing_at = None
+                log.info("tierstore: trying spill directory %s again", f.path.parent)
             if f.full and (
                 f.extents.largest() >= least
                 or (
@@ -175,6 +184,29 @@ class Striping:
                 order.append(d)
         # All full: try them all anyway (the space may be back); the error then says so.
         return order or list(rotation)
+
+    def _warn_failing(self, index: int, error: OSError) -> None:
+        """Note: [A failing directory is skipped]
+            A directory whose spill file fails a write or a growth with an error a full disk
+            does not explain (EIO from a dying drive, EROFS after the filesystem remounted
+            read-only, ENOENT with the directory removed) is skipped for
+            ``QUOTA_RETRY_SECONDS``, then tried again; its chunks go to the other directories
+            meanwhile. The write that failed fails (its tensor stays in memory, and the store
+            pauses the disk tier a second); those after it no longer touch that directory.
+            Before, every big blob striped over it and failed, and the disk tier paused once
+            a second for as long as the fault lasted while the other directories sat unused.
+            With every directory failing, all are tried, and the write's error says why.
+        """
+        first = index not in self._warned_failing
+        self._warned_failing.add(index)
+        log.log(
+            logging.WARNING if first else logging.INFO,
+            "tierstore: spill directory %s failed (%s); spilling to the other directories, "
+            "trying it again every %.0fs",
+            self.files[index].path.parent,
+            error.strerror or error,
+            QUOTA_RETRY_SECONDS,
+        )
 
     def _mark_full(self, index: int, error: OSError, others: bool) -> None:
         f = self.files[index]
@@ -200,7 +232,8 @@ class Striping:
 
 
 class _DirectoryFull(Exception):
-    """The spill file of directory ``index`` could not grow: ``error`` is the ENOSPC/EDQUOT."""
+    """The spill file of directory ``index`` could not grow: ``error`` says why (ENOSPC or
+    EDQUOT for a full one)."""
 
     def __init__(self, index: int, error: OSError) -> None:
         super().__init__(index, error)
