@@ -187,15 +187,15 @@ class Striping:
 
     def _warn_failing(self, index: int, error: OSError) -> None:
         """Note: [A failing directory is skipped]
-            A directory whose spill file fails a write or a growth with an error a full disk
-            does not explain (EIO from a dying drive, EROFS after the filesystem remounted
-            read-only, ENOENT with the directory removed) is skipped for
-            ``QUOTA_RETRY_SECONDS``, then tried again; its chunks go to the other directories
-            meanwhile. The write that failed fails (its tensor stays in memory, and the store
-            pauses the disk tier a second); those after it no longer touch that directory.
-            Before, every big blob striped over it and failed, and the disk tier paused once
-            a second for as long as the fault lasted while the other directories sat unused.
-            With every directory failing, all are tried, and the write's error says why.
+        A directory whose spill file fails a write or a growth with an error a full disk
+        does not explain (EIO from a dying drive, EROFS after the filesystem remounted
+        read-only, ENOENT with the directory removed) is skipped for
+        ``QUOTA_RETRY_SECONDS``, then tried again; its chunks go to the other directories
+        meanwhile. The write that failed fails (its tensor stays in memory, and the store
+        pauses the disk tier a second); those after it no longer touch that directory.
+        Before, every big blob striped over it and failed, and the disk tier paused once
+        a second for as long as the fault lasted while the other directories sat unused.
+        With every directory failing, all are tried, and the write's error says why.
         """
         first = index not in self._warned_failing
         self._warned_failing.add(index)
