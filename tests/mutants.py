@@ -76,10 +76,9 @@ MUTANTS = (
         (
             Edit(
                 _CHUNK_IO,
-                "        c = blob.chunks[i]\n        src = address + c.start\n",
-                "        c = blob.chunks[i]\n"
-                "        j = {1: 2, 2: 1}.get(i, i) if len(blob.chunks) > 3 else i\n"
-                "        src = address + blob.chunks[j].start\n",
+                "            self._write_chunk(blob, i, view, address + c.start, c)\n",
+                "            j = {1: 2, 2: 1}.get(i, i) if len(blob.chunks) > 3 else i\n"
+                "            self._write_chunk(blob, i, view, address + blob.chunks[j].start, c)\n",
             ),
         ),
     ),
