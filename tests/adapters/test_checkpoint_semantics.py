@@ -145,7 +145,9 @@ def _pushed() -> tuple[object, object]:
     """The saved-tensor hooks and the dispatch mode active on this thread now."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    return torch._C._autograd._top_saved_tensors_default_hooks(False), _get_current_dispatch_mode()
+    # torch 2.4 has no getter for the hooks: there only the mode is compared.
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return (top(False) if top is not None else None), _get_current_dispatch_mode()
 
 
 class _Boom(Exception):
