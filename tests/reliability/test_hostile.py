@@ -749,6 +749,41 @@ def test_a_failing_striped_directory_is_skipped_for_a_while(
             store.close()
 
 
+def test_one_transient_growth_error_in_the_only_directory_is_recovered_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [A failing directory is skipped]: with every directory skipped, all are tried. A
+    version that refused growths while a directory was marked failing, and marked it again on
+    each refusal, never grew the spill file again after one EIO: nothing reached the disk."""
+    import errno
+
+    real_fallocate = os.posix_fallocate
+    calls = {"n": 0}
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first is the O_DIRECT probe's
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        real_fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    store = TieredStore(disk_dir=tmp_path, host_bytes=0, min_bytes=0, io_chunk_bytes="1MiB")
+    try:
+        first = torch.randn(MiB // 4)
+        h = store.put(first)
+        wait_for(lambda: settled(store))
+        assert store.stats().write_errors == 1
+        time.sleep(1.1)  # the store's pause after a failed write
+        later = torch.randn(MiB // 4)
+        h2 = store.put(later)  # runs the cascade: both spill
+        wait_for(lambda: store.tier_of(h) is tierstore.Tier.DISK)
+        wait_for(lambda: store.tier_of(h2) is tierstore.Tier.DISK)
+        assert torch.equal(store.get(h), first) and torch.equal(store.get(h2), later)
+        assert store.stats().write_errors == 1
+    finally:
+        store.close()
+
+
 def test_a_striped_directory_over_its_quota_is_not_retried_at_every_placement(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

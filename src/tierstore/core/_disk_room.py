@@ -224,7 +224,7 @@ class DiskRoom:
         if code == errno.EDQUOT:
             self.need = max(footprint, self.need if paused else 1)
             self._engine_was_full = True
-            if not paused:
+            if not paused or not self._quota_failures:  # a quota's first failure counts
                 self._quota_failures += 1
             if self._quota_failures > 1:
                 level = logging.INFO  # the run's first failure warned

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tierstore._inherited import close_copies, identity_of
-from tierstore.tiers._engine import DISK_FULL, QUOTA_RETRY_SECONDS, free_space
+from tierstore.tiers._engine import DISK_FULL, free_space
 from tierstore.tiers.raw._extents import Extents
 from tierstore.tiers.raw._syscalls import O_DIRECT, pad
 
@@ -64,7 +64,6 @@ class SpillFile:
         """When it failed with EDQUOT, which the filesystem's free space does not show."""
         self.warned_full = False
         self.failing_at: float | None = None
-        self._failure: tuple[int | None, str | None] = (None, None)
         """When a write or a growth here last failed with an error other than a full disk
         (EIO, EROFS, ENOENT): the directory is skipped for a while (Note: [A failing
         directory is skipped])."""
@@ -77,15 +76,6 @@ class SpillFile:
         """Remember a failed write or growth that a full disk does not explain."""
         if error.errno not in DISK_FULL:
             self.failing_at = time.monotonic()
-            self._failure = (error.errno, error.strerror)
-
-    def _failing(self) -> OSError | None:
-        """The last failure, while its directory is skipped (Note: [A failing directory is
-        skipped]): growths queued before it are refused without a system call."""
-        if self.failing_at is None or time.monotonic() - self.failing_at >= QUOTA_RETRY_SECONDS:
-            return None
-        code, why = self._failure
-        return OSError(code, f"{self.path} failed a moment ago: {why}", str(self.path))
 
     def free_space(self) -> int:
         """Bytes the filesystem of this file's directory has free for this user."""
@@ -108,9 +98,6 @@ class SpillFile:
             offset = self.extents.alloc(nbytes)
             if offset is not None:
                 return offset
-            failing = self._failing()
-            if failing is not None:
-                raise failing
             old = self.extents.size
             step = min(max(old, GROW_MIN), GROW_MAX)
             if self.reserve_limit is not None:

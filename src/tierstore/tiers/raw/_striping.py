@@ -192,7 +192,8 @@ class Striping:
         read-only, ENOENT with the directory removed) is skipped for
         ``QUOTA_RETRY_SECONDS``, then tried again; its chunks go to the other directories
         meanwhile. The write that failed fails (its tensor stays in memory, and the store
-        pauses the disk tier a second); those after it no longer touch that directory.
+        pauses the disk tier a second); placements after it no longer touch that directory
+        (those under way when it failed may still try it once).
         Before, every big blob striped over it and failed, and the disk tier paused once
         a second for as long as the fault lasted while the other directories sat unused.
         With every directory failing, all are tried, and the write's error says why.
