@@ -147,7 +147,7 @@ class SpillFile:
                 # A new description of the open file, even once its path is gone (the spill
                 # directory removed under a running store): the path failed every write.
                 fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
-            except FileNotFoundError:  # no /proc
+            except OSError:  # no /proc, or one this process may not open
                 fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             if identity_of(fd) != self._identity:
                 os.close(fd)
