@@ -17,7 +17,6 @@ included, per GB moved; a write's leaves out what the wait itself spent on its t
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import sys
 import tempfile
@@ -27,42 +26,24 @@ from pathlib import Path
 import torch
 
 import tierstore
+from tierstore.bench._paths import settle
 from tierstore.config import parse_size
 from tierstore.errors import ConfigError
-
-
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text, name="--size")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _wait_on_disk(store: tierstore.TieredStore, total: int) -> float:
-    """Wait until ``total`` bytes are on disk; the CPU seconds the wait took on this thread
-    (Note: [The wait is not the store's CPU] in ``tierstore/bench/_paths.py``)."""
-    before = time.thread_time()
-    while True:
-        stats = store.stats()
-        if stats.inflight_bytes == 0 and stats.disk.bytes >= total:
-            return time.thread_time() - before
-        time.sleep(0.001)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="spill parent")
-    p.add_argument("--size", type=_size, default=64 << 20, help="bytes per tensor (64MiB)")
+    p.add_argument("--size", default="64MiB", help="bytes per tensor (64MiB)")
     p.add_argument("--count", type=int, default=16, help="tensors per round (16)")
     p.add_argument("--rounds", type=int, default=6, help="rounds (6); the first spills anew")
     p.add_argument("--no-read", action="store_true", help="spill only; release unread")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1)")
     args = p.parse_args(argv)
+    try:
+        args.size = parse_size(args.size, name="--size")
+    except ConfigError as exc:
+        p.error(str(exc))
     if args.size < 4 or args.count < 1 or args.rounds < 1:
         p.error("--size must be at least 4 bytes, --count and --rounds at least 1")
     torch.set_num_threads(args.threads)
@@ -76,20 +57,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.count} x {n * 4 / 2**20:.0f} MiB per round, spilling under {args.dir}")
         for r in range(args.rounds):
             before = store.stats().disk.bytes
-            cpu, t0 = _cpu(), time.perf_counter()
+            cpu, t0 = time.process_time(), time.perf_counter()
             handles = [store.put(t) for t in tensors]
-            waited = _wait_on_disk(store, before + args.count * n * 4)
-            write_s, write_cpu = time.perf_counter() - t0, _cpu() - cpu - waited
+            waited = settle(store, before + args.count * n * 4)
+            write_s, write_cpu = time.perf_counter() - t0, time.process_time() - cpu - waited
             read_s = read_cpu = float("nan")
             if not args.no_read:
-                cpu, t0 = _cpu(), time.perf_counter()
+                cpu, t0 = time.process_time(), time.perf_counter()
                 for i in reversed(range(args.count)):
                     got = store.get(handles[i])
                     if not torch.equal(got, tensors[i]):
                         print(f"round {r}: tensor {i} read back wrong", file=sys.stderr)
                         return 1
                     del got
-                read_s, read_cpu = time.perf_counter() - t0, _cpu() - cpu
+                read_s, read_cpu = time.perf_counter() - t0, time.process_time() - cpu
             for h in handles:
                 store.release(h)
             del handles

@@ -460,5 +460,5 @@ def test_the_wait_for_the_disk_reports_its_own_cpu() -> None:
                 inflight_bytes=0, disk=SimpleNamespace(bytes=10 if settled else 0)
             )
 
-    waited = _paths._settle(Store(), 10)  # type: ignore[arg-type]
+    waited = _paths.settle(Store(), 10)  # type: ignore[arg-type]
     assert calls == 5 and 0.02 <= waited < 1.0

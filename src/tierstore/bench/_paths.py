@@ -25,7 +25,7 @@ from tierstore.bench._system import PageCache, cached_bytes
 if TYPE_CHECKING:
     from tierstore import StoreStats, TieredStore
 
-__all__ = ["PATHS", "Timing"]
+__all__ = ["PATHS", "Timing", "settle"]
 
 _IN_FLIGHT = 16
 """Requests in flight for the asynchronous file paths (aiofiles, the engine)."""
@@ -91,7 +91,7 @@ def _poll(store: TieredStore, until: Callable[[StoreStats], bool]) -> None:
         time.sleep(0.001)
 
 
-def _settle(store: TieredStore, total: int) -> float:
+def settle(store: TieredStore, total: int) -> float:
     """Wait until ``total`` bytes are on disk and nothing is moving; return the CPU seconds the
     wait itself took on this thread.
 
@@ -164,7 +164,7 @@ def _store_round(
     before = cached_bytes()
     t0 = Clock()
     handles = [store.put(t) for t in tensors]
-    waited_cpu = _settle(store, total)  # Note: [The wait is not the store's CPU]
+    waited_cpu = settle(store, total)  # Note: [The wait is not the store's CPU]
     files = [] if buffered is None else _files_under(list(store.spill_dirs))
     if files:
         with cf.ThreadPoolExecutor(store.config.io_threads) as pool:

@@ -63,6 +63,7 @@ class SpillFile:
         self.quota_full_at: float | None = None
         """When it failed with EDQUOT, which the filesystem's free space does not show."""
         self.warned_full = False
+        self.warned_failing = False
         self.failing_at: float | None = None
         """When a write or a growth here last failed with an error other than a full disk
         (EIO, EROFS, ENOENT): the directory is skipped for a while (Note: [A failing

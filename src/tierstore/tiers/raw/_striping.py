@@ -41,7 +41,6 @@ class Striping:
         self._chunk = chunk
         self._pool = pool
         self._next_dir = 0
-        self._warned_failing: set[int] = set()
 
     async def place(self, size: int, lead: int) -> Blob:
         """Cut a blob into chunks, stripe them, and allocate one extent per directory used.
@@ -198,13 +197,13 @@ class Striping:
         a second for as long as the fault lasted while the other directories sat unused.
         With every directory failing, all are tried, and the write's error says why.
         """
-        first = index not in self._warned_failing
-        self._warned_failing.add(index)
+        f = self.files[index]
+        first, f.warned_failing = not f.warned_failing, True
         log.log(
             logging.WARNING if first else logging.INFO,
             "tierstore: spill directory %s failed (%s); spilling to the other directories, "
             "trying it again every %.0fs",
-            self.files[index].path.parent,
+            f.path.parent,
             error.strerror or error,
             QUOTA_RETRY_SECONDS,
         )
