@@ -93,6 +93,36 @@ def test_failed_write_keeps_the_tensor_in_host_memory(make_store: MakeStore, cod
     assert faulty.written == set()
 
 
+@pytest.mark.parametrize(
+    "code", [errno.EIO, errno.ENOSPC, errno.EDQUOT], ids=["EIO", "ENOSPC", "EDQUOT"]
+)
+def test_a_failed_spill_is_tried_again_after_the_pause_with_no_other_call(
+    make_store: MakeStore, free_space: dict[str, int | None], code: int
+) -> None:
+    """A spill that failed left its tensor in host memory, past ``host_bytes``, until the
+    next put, get or release ran the cascade: a process that then only waited (evaluating,
+    saving a checkpoint) held it there for as long. The store now tries again on its own once
+    the pause is over."""
+    store = make_store(device_bytes=0, host_bytes=MiB)
+    faulty = install_faults(store)
+    faulty.fail_writes(code, times=1)
+    ts = [_pattern(MiB // 8, i) for i in range(3)]  # 512 KiB each: two fit in the host tier
+    hs = [store.put(t) for t in ts]
+    wait_for(lambda: faulty.failed_writes == 1 and settled(store), what="a failed write")
+    assert store.stats().host.bytes == 3 * MiB // 2
+    # From here on nothing but stats(), which moves nothing.
+    wait_for(
+        lambda: (st := store.stats()).disk.entries == 1 and st.inflight_bytes == 0,
+        what="the spill tried again",
+    )
+    st = store.stats()
+    assert st.host.bytes == MiB and st.disk_available and st.write_errors == 1
+    assert store.state_of(hs[0]) is TensorState.DISK
+    audit(store)
+    for h, t in zip(hs, ts, strict=True):
+        assert torch.equal(store.get(h), t)
+
+
 @pytest.mark.parametrize("code", [errno.EINVAL, errno.ENOSPC], ids=["EINVAL", "ENOSPC"])
 def test_tier_full_says_why_the_disk_takes_nothing_and_what_to_do(
     make_store: MakeStore, free_space: dict[str, int | None], code: int

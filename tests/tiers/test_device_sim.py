@@ -483,6 +483,36 @@ def test_a_failing_copy_of_an_unchanged_tensor_pauses_copies_instead_of_looping(
         assert torch.equal(on_host(store.get(h)), want)
 
 
+def test_a_copy_paused_after_a_failure_is_tried_again_with_no_other_call(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [Tried again after a pause]: the entry whose copy failed moved to the host tier
+    only when a later put, get or release ran the cascade; now the store tries again itself
+    once copies may start."""
+    from tierstore.core import _disk_room, _transfers
+
+    real_copy = _transfers.copy_to_host
+    tries = [0]
+
+    async def refused_once(src: torch.Tensor, *args: object, **kwargs: object) -> Any:
+        tries[0] += 1
+        if tries[0] == 1:
+            raise RuntimeError("pinned and pageable memory both refused")
+        return await real_copy(src, *args, **kwargs)
+
+    monkeypatch.setattr(_transfers, "copy_to_host", refused_once)
+    monkeypatch.setattr(_transfers, "COPY_RETRY_SECONDS", 0.2)
+    monkeypatch.setattr(_disk_room, "RETRY_SECONDS", 0.1)
+    t, want = produced("cuda:0", "contiguous", seed=50)
+    store = env.store("host")
+    h = store.put(t)
+    assert rests(store, h) is Tier.DEVICE and tries[0] == 1
+    # Nothing but the state is asked from here on.
+    wait_for(lambda: rests(store, h) is Tier.HOST and settled(store), what="the copy again")
+    assert tries[0] == 2
+    assert torch.equal(on_host(store.get(h)), want)
+
+
 def test_a_put_after_a_failed_copy_waits_for_no_copy_that_never_started(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:

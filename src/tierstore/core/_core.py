@@ -22,7 +22,7 @@ import logging
 from typing import TYPE_CHECKING, Literal
 
 from tierstore._state import TensorState, Tier
-from tierstore.core import _moves
+from tierstore.core import _disk_room, _moves
 from tierstore.core._checks import check_handle, check_min_bytes, check_tensor
 from tierstore.core._counters import Counters, tier_stats
 from tierstore.core._disk_room import DiskRoom
@@ -89,6 +89,8 @@ class StoreCore:
         self._polling_dropped = False
         self._poll_every = DROPPED_POLL_SECONDS
         self._poll_timer: asyncio.TimerHandle | None = None
+        self._retry_armed = False
+        self._retry_timer: asyncio.TimerHandle | None = None
         self.counters = Counters()
         self.semaphore = SaveSemaphore(config.max_inflight_bytes)
         self.walk = PrefetchWalk()
@@ -276,6 +278,37 @@ class StoreCore:
         """
         if not self.closed:  # while close() drains the transfers in flight, start none
             _moves.cascade(self, new)
+
+    def retry_later(self) -> None:
+        """Run the cascade again once a pause after a failure may be over (the lock held, from
+        any thread).
+
+        Note: [Tried again after a pause]
+            A failed spill pauses the disk tier, a failed copy to the host pauses copies, and
+            what could not move waits above its tier's capacity. The cascade runs at every
+            put, get and release, so in training the next call moves it; but a process that
+            only waits after the failure (an evaluation, a checkpoint save) held it there for
+            as long. While a cascade leaves something waiting on a pause, one timer on the
+            store's loop runs it again after ``RETRY_SECONDS`` (1 s), and that run arms the next
+            while the wait goes on; nothing waiting, nothing is armed.
+        """
+        if self._retry_armed or self.closed:
+            return
+        self._retry_armed = True
+        try:
+            self.loop.call_soon_threadsafe(self._arm_retry)
+        except RuntimeError:  # the loop is closed: so is the store
+            self._retry_armed = False
+
+    def _arm_retry(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self._retry_timer = self.loop.call_later(_disk_room.RETRY_SECONDS, self._retry)
+
+    def _retry(self) -> None:
+        with self.lock:
+            self._retry_armed, self._retry_timer = False, None
+            self.cascade()
 
     # ------------------------------------------------------------------ get and prefetch
 
@@ -635,6 +668,8 @@ class StoreCore:
             self.final_stats = self._snapshot_locked()
             summary = self.final_stats.summary()
             self.table.drop_all()
+            if self._retry_timer is not None:
+                self._retry_timer.cancel()
         # The closed store object may live on (a caller's reference): its free read buffers,
         # up to the pool's keep_bytes, go now; busy ones when their tensors die.
         self.read_pool.clear()

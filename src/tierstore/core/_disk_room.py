@@ -158,6 +158,12 @@ class DiskRoom:
             log.info("tierstore: retrying the disk tier after an earlier failure")
         return True
 
+    @property
+    def paused(self) -> bool:
+        """Whether the tier waits out a failure or for free space (what :meth:`recheck`
+        tests before it may end the wait)."""
+        return self.engine is not None and (self.failed_at is not None or self.need > 0)
+
     def room(self, used: int) -> int:
         """Bytes the tier may still take, ``used`` being taken (0 while paused)."""
         return max(0, self.capacity - used) if self.recheck() else 0

@@ -50,6 +50,7 @@ def cascade(core: StoreCore, new: Entry | None) -> None:
         e = step.entry
         if step.move is Move.COPY:
             if copies_paused:  # a copy just failed: the oldest stay on their device for now
+                core.retry_later()  # Note: [Tried again after a pause]
                 break
             table.set_state(e, S.MOVING_TO_HOST)
             semaphore.take(e.nbytes)
@@ -78,6 +79,8 @@ def cascade(core: StoreCore, new: Entry | None) -> None:
         if spills.kept is not None:
             _note_kept(core)
         blocked = blocked or spills.blocked
+    if core.disk.paused and table.resting[Tier.HOST] + table.host_reserved > cfg.host_bytes:
+        core.retry_later()  # Note: [Tried again after a pause]
     # Only a move in flight wakes a waiting put when it ends. A plan blocked behind copies it
     # did not start (paused after a failed copy) has none: that put would wait its whole
     # timeout. It goes on instead, and the next put, get or release runs the cascade again.
