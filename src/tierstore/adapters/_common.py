@@ -6,6 +6,7 @@ import functools
 import inspect
 import sys
 import warnings
+import weakref
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -199,15 +200,19 @@ def _fx_tracing() -> bool:
 
 
 _warned_lock = ForkSafeLock()
-_warned: set[int] = set()
+# Weak: a store made later at a closed one's address still warns, and closed ones go.
+_warned: weakref.WeakSet[object] = weakref.WeakSet()
 
 
 def warn_no_room(store: TieredStore, t: torch.Tensor, err: BaseException) -> None:
     """Warn once per store that a tensor stayed in place because no tier had room."""
     with _warned_lock:
-        if id(store) in _warned:
-            return
-        _warned.add(id(store))
+        try:
+            if store in _warned:
+                return
+            _warned.add(store)
+        except TypeError:  # a stand-in that takes no weak reference: warned each time
+            pass
     # The store's own message names the byte view the adapters put ("a 2.0 MiB uint8
     # tensor"); this one names the caller's tensor, so only the tiers' state is kept.
     tiers = str(err).partition(": ")[2] or str(err)
