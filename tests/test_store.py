@@ -744,6 +744,23 @@ def test_handles_of_another_store_are_rejected(make_store: MakeStore) -> None:
         b.release(h)  # released in its own store; still not this store's (was silent)
 
 
+def test_a_release_racing_close_does_nothing(make_store: MakeStore) -> None:
+    """A release after close does nothing; one whose store another thread closed between its
+    test of ``closed`` and its call into the store raised StoreClosedError. The close is made
+    to land in that window here."""
+    store = make_store(device_bytes=0, host_bytes=MiB)
+    h = store.put(torch.randn(1024))
+    live = store._live
+
+    def closed_meanwhile() -> Any:
+        store.close()  # another thread's close, between the test and the call
+        return live()
+
+    store._live = closed_meanwhile  # type: ignore[method-assign]
+    store.release(h)  # returns: close released everything
+    store.release(h)  # and after close, as ever
+
+
 def test_release_during_a_spill_frees_everything(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
     gated = install_faults(store, GatedEngine)

@@ -258,7 +258,11 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         ):
             core.release_later(handle)
             return
-        self._live().release(handle)
+        try:
+            live = self._live()
+        except StoreClosedError:
+            return  # another thread closed the store since the test above: all is released
+        live.release(handle)
 
     def tier_of(self, handle: TensorHandle) -> Tier:
         """``Tier.DEVICE``, ``Tier.HOST`` or ``Tier.DISK``: where the bytes are now.

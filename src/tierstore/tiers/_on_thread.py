@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from concurrent.futures import Executor
 
-__all__ = ["on_thread"]
+__all__ = ["on_thread", "outlive_cancel"]
 
 
 T = TypeVar("T")
@@ -45,3 +45,25 @@ class _Call:
         self.fn, self.args = None, ()
         assert fn is not None, "called twice"
         return fn(*args)
+
+
+async def outlive_cancel(fut: asyncio.Future[T]) -> T:
+    """Wait for ``fut``, a transfer on an I/O thread, even when the waiting task is cancelled
+    (once or many times); then raise ``CancelledError`` if it was.
+
+    The thread cannot be stopped: a task that gave up on it at once would free the extent the
+    thread still writes, or hand back the memory it still reads into, for others to reuse
+    while the bytes move.
+    """
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(fut)
+            break
+        except asyncio.CancelledError:
+            if fut.cancelled():  # the future itself, not only its waiter
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result

@@ -4,10 +4,12 @@ in packs])."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import mmap
 import os
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -133,6 +135,26 @@ async def test_a_damaged_blob_fails_alone_in_its_group(engine: RawEngine, in_pla
             assert torch.equal(outs[k], t)
 
 
+async def test_a_spill_file_cut_inside_a_group_fails_only_the_blobs_past_the_cut(
+    engine: RawEngine,
+) -> None:
+    """A group of neighbours is read with one request; a file cut short inside the span
+    failed every blob of the group, those wholly before the cut too."""
+    srcs = {k: random_bytes(12 * KiB + 7, seed=k) for k in range(6)}
+    await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+    cut = _packed(engine, 4)
+    os.truncate(cut.file.path, cut.offset + 100)
+    outs = {k: torch.empty_like(t) for k, t in srcs.items()}
+    results = await asyncio.gather(*(engine.read(k, outs[k]) for k in srcs), return_exceptions=True)
+    for k, t in srcs.items():
+        if _packed(engine, k).offset >= cut.offset:
+            assert isinstance(results[k], CorruptTensorError), results[k]
+        else:
+            assert results[k] is None, results[k]
+            assert torch.equal(outs[k], t)
+    assert any(r is None for r in results)
+
+
 async def test_a_failed_pack_fails_every_blob_in_it_and_frees_its_space(
     engine: RawEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -163,6 +185,64 @@ async def test_a_cancelled_packed_write_leaves_no_space_taken(engine: RawEngine)
     await engine.drain()  # the pack is written all the same...
     assert not engine.holds(1)
     assert engine.reusable_bytes() == free  # ...and its piece given back
+
+
+async def test_write_many_cancelled_twice_still_waits_and_raises_cancelled(
+    engine: RawEngine,
+) -> None:
+    """Cancelled again while it waited for the cancelled writes to end, ``write_many`` read
+    the outcome of a write still running and raised InvalidStateError instead."""
+    big = random_bytes(40 * engine.config.io_chunk_bytes, seed=3)
+    for delay in (0.0, 0.001, 0.002):
+        task = asyncio.ensure_future(
+            engine.write_many([WriteRequest(200, random_bytes(100)), WriteRequest(201, big)])
+        )
+        await asyncio.sleep(delay)
+        task.cancel()
+        await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # or it ended before the cancel
+            await task
+        await engine.drain()
+        for key in (200, 201):  # what was written is stored whole, or not at all
+            if engine.holds(key):
+                await engine.delete(key)
+
+
+async def test_a_cancelled_pack_task_frees_its_space_only_when_its_thread_is_done(
+    engine: RawEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pack's task cancelled while its thread wrote (a loop torn down without a drain)
+    freed the pack's extent at once, for another blob to take while the old bytes were
+    still going to that place. Now the task waits for its thread whatever the cancels."""
+    await engine.write(0, random_bytes(64 * KiB))
+    await engine.delete(0)
+    free = engine.reusable_bytes()
+    gate, entered = threading.Event(), threading.Event()
+    real = engine._io.write_pack
+
+    def gated(*args: Any) -> Any:
+        entered.set()
+        gate.wait(10)
+        return real(*args)
+
+    monkeypatch.setattr(engine._io, "write_pack", gated)
+    writer = asyncio.ensure_future(engine.write(1, random_bytes(8 * KiB)))
+    while not entered.is_set():
+        await asyncio.sleep(0.001)
+    tasks = list(engine._packs._tasks)
+    assert tasks
+    for _ in range(2):
+        for task in tasks:
+            task.cancel()
+        for _ in range(5):
+            await asyncio.sleep(0)
+    assert engine.reusable_bytes() < free  # the thread still writes there: not free
+    gate.set()
+    with contextlib.suppress(asyncio.CancelledError, OSError):
+        await writer
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert not engine.holds(1) or engine.reusable_bytes() < free
 
 
 async def test_write_many_and_read_many_report_each_outcome(engine: RawEngine) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from tierstore.testing import CHUNK, make_dirs, random_bytes
 from tierstore.tiers.raw import RawEngine
 
@@ -28,5 +30,24 @@ async def test_one_tensor_is_striped_chunk_by_chunk(tmp_path: Path, config: Stor
             with open(c.file.path, "rb") as f:
                 f.seek(c.offset + c.lead)
                 assert f.read(c.length) == src[c.start : c.start + c.length].numpy().tobytes()
+    finally:
+        await engine.close()
+
+
+async def test_an_empty_blob_leaves_a_full_directory_marked_full(
+    tmp_path: Path, config: StoreConfig
+) -> None:
+    """Placing 0 bytes asked every full directory whether it had room for 0 bytes: each said
+    yes, was marked as having room again, and the next real blob failed a growth there."""
+    engine = RawEngine(make_dirs(tmp_path, 2), config)
+    try:
+        full = engine.files[1]
+        full.full = True
+        full.free_space = lambda: 0  # type: ignore[method-assign]
+        await engine.write(1, torch.empty(0, dtype=torch.uint8))
+        assert full.full
+        assert engine.holds(1)
+        out = torch.empty(0, dtype=torch.uint8)
+        await engine.read(1, out)
     finally:
         await engine.close()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tierstore.errors import ConfigError, CorruptTensorError
 from tierstore.tiers._checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
 from tierstore.tiers._engine import DiskEngine, WriteRequest, check_bytes, is_bytes
-from tierstore.tiers._on_thread import on_thread
+from tierstore.tiers._on_thread import on_thread, outlive_cancel
 from tierstore.tiers.raw._chunk_io import ChunkIO
 from tierstore.tiers.raw._layout import LEAD_ALIGN, Blob, PackedBlob
 from tierstore.tiers.raw._packs import PackItem, Packs, ReadItem, Waiter, all_done
@@ -378,16 +378,7 @@ class RawEngine(DiskEngine):
             return
         # Wait for every chunk even when one fails or the caller is cancelled: the extents may
         # be freed, and the tensor reused, only once no thread still touches them.
-        gathered = asyncio.gather(*futures, return_exceptions=True)
-        cancelled = False
-        while True:
-            try:
-                results = await asyncio.shield(gathered)
-                break
-            except asyncio.CancelledError:
-                cancelled = True
-        if cancelled:
-            raise asyncio.CancelledError
+        results = await outlive_cancel(asyncio.gather(*futures, return_exceptions=True))
         for r in results:
             if isinstance(r, BaseException):
                 raise r

@@ -20,7 +20,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tierstore.tiers._on_thread import on_thread
+from tierstore.tiers._on_thread import on_thread, outlive_cancel
 from tierstore.tiers.raw._layout import PackedBlob
 from tierstore.tiers.raw._syscalls import pad
 
@@ -177,7 +177,9 @@ class Packs:
                 blobs.append(PackedBlob(f, offset, n))
                 offset += pad(n)
             sources = [(it.src, it.address) for it in items]
-            changed = await on_thread(self._pool, self._io.write_pack, sources, blobs)
+            changed = await outlive_cancel(
+                on_thread(self._pool, self._io.write_pack, sources, blobs)
+            )
         except BaseException as exc:
             for b in blobs:
                 b.free()
@@ -253,7 +255,15 @@ class Packs:
         outs = [it.out for it in items]
         try:
             # Note: [A finished transfer holds no memory]
-            errors = list(await on_thread(self._pool, self._io.read_span, blobs, outs))
+            errors = list(
+                await outlive_cancel(on_thread(self._pool, self._io.read_span, blobs, outs))
+            )
+        except Exception as exc:
+            errors = [exc] * len(items)
+            if len(items) > 1:
+                # The span failed as a whole (a file cut short inside it, an unreadable
+                # sector): each blob is read alone, so only those really hit fail.
+                errors = await self._read_each(blobs, outs)
         except BaseException as exc:
             errors = [exc] * len(items)
         else:
@@ -263,19 +273,42 @@ class Packs:
             it.error = err
             it.waiter.finish_one()
 
+    async def _read_each(
+        self, blobs: list[PackedBlob], outs: list[torch.Tensor]
+    ) -> list[BaseException | None]:
+        errors: list[BaseException | None] = []
+        for b, out in zip(blobs, outs, strict=True):
+            error: BaseException | None
+            try:
+                (error,) = await outlive_cancel(
+                    on_thread(self._pool, self._io.read_span, [b], [out])
+                )
+            except Exception as exc:
+                error = exc
+            errors.append(error)
+        return errors
+
 
 async def all_done(futures: list[asyncio.Future[Any]]) -> None:
-    """Wait until every future is done; a cancelled caller cancels those still pending.
+    """Wait until every future is done; a cancelled caller cancels those still pending, and
+    still waits for them before it raises ``CancelledError``, however often it is cancelled.
 
     Cancelling a :class:`Waiter` only detaches its caller: packs and read groups go on with
     the memory they hold, and a written blob nobody owns is freed (see ``_flush_pack``).
     """
     if not futures:
         return
-    try:
-        await asyncio.wait(futures)
-    except asyncio.CancelledError:
-        for fut in futures:
-            fut.cancel()
-        await asyncio.wait(futures)
-        raise
+    cancelled = False
+    while True:
+        try:
+            await asyncio.wait(futures)
+            break
+        except asyncio.CancelledError:
+            # Cancelled again while the futures end: keep waiting, or the caller would read
+            # outcomes that are not there yet.
+            if not cancelled:
+                for fut in futures:
+                    fut.cancel()
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError

@@ -48,8 +48,10 @@ class Striping:
         Raises:
             OSError: every directory is full (ENOSPC), or a spill file could not grow.
         """
+        if size == 0:
+            # Nothing to place: asking the directories would mark a full one as having room.
+            return Blob(0, [], [], [], 0)
         n_dirs = len(self.files)
-        lead = lead if size else 0
         cuts = cut(size, lead, self._chunk)
         on_disk = [pad(chunk_lead + length) for _, length, chunk_lead in cuts]
         first = self._next_dir
