@@ -1,8 +1,10 @@
 """What the I/O threads hold once a transfer is done (Note: [A finished transfer holds no
-memory])."""
+memory]), and a transfer's waiter cancelled while its thread runs."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +13,7 @@ from concurrent.futures import thread as cf_thread
 import pytest
 import torch
 
-from tierstore.tiers._on_thread import on_thread
+from tierstore.tiers._on_thread import on_thread, outlive_cancel
 
 
 @pytest.fixture
@@ -51,3 +53,30 @@ async def test_a_function_called_once_raises_as_itself() -> None:
 
     with ThreadPoolExecutor(1) as pool, pytest.raises(ValueError, match="bad 3"):
         await on_thread(pool, fails, 3)
+
+
+@pytest.mark.parametrize("outcome", ["returns", "raises"])
+async def test_outlive_cancel_waits_for_the_thread_then_raises_cancelled(outcome: str) -> None:
+    """Cancelled twice while the thread runs, the waiter returns only once the thread is
+    done, and with CancelledError whatever the call did: a call that failed after the cancel
+    used to hand its error back instead, and the cancelled task went on."""
+    gate, done = threading.Event(), threading.Event()
+
+    def work() -> int:
+        gate.wait(10)
+        done.set()
+        if outcome == "raises":
+            raise OSError(5, "the read failed")
+        return 1
+
+    with ThreadPoolExecutor(1) as pool:
+        task = asyncio.ensure_future(outlive_cancel(on_thread(pool, work)))
+        await asyncio.sleep(0.01)
+        for _ in range(2):
+            task.cancel()
+            await asyncio.sleep(0.01)
+        assert not task.done()  # the thread still runs
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert done.is_set()

@@ -64,6 +64,10 @@ async def outlive_cancel(fut: asyncio.Future[T]) -> T:
             if fut.cancelled():  # the future itself, not only its waiter
                 raise
             cancelled = True
+        except BaseException:
+            if cancelled:  # the cancel wins over what the thread raised
+                raise asyncio.CancelledError from None
+            raise
     if cancelled:
         raise asyncio.CancelledError
     return result

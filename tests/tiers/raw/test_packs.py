@@ -136,23 +136,60 @@ async def test_a_damaged_blob_fails_alone_in_its_group(engine: RawEngine, in_pla
 
 
 async def test_a_spill_file_cut_inside_a_group_fails_only_the_blobs_past_the_cut(
-    engine: RawEngine,
+    engine: RawEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A group of neighbours is read with one request; a file cut short inside the span
     failed every blob of the group, those wholly before the cut too."""
-    srcs = {k: random_bytes(12 * KiB + 7, seed=k) for k in range(6)}
+    srcs = {k: random_bytes(12 * KiB + 7, seed=k) for k in range(3)}
     await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
-    cut = _packed(engine, 4)
+    assert len({_packed(engine, k).file for k in srcs}) == 1
+    cut = _packed(engine, 2)
     os.truncate(cut.file.path, cut.offset + 100)
+    spans: list[int] = []
+    real = engine._io.read_span
+
+    def recording(blobs: Any, outs: Any) -> Any:
+        spans.append(len(blobs))
+        return real(blobs, outs)
+
+    monkeypatch.setattr(engine._io, "read_span", recording)
     outs = {k: torch.empty_like(t) for k, t in srcs.items()}
     results = await asyncio.gather(*(engine.read(k, outs[k]) for k in srcs), return_exceptions=True)
-    for k, t in srcs.items():
-        if _packed(engine, k).offset >= cut.offset:
-            assert isinstance(results[k], CorruptTensorError), results[k]
-        else:
-            assert results[k] is None, results[k]
-            assert torch.equal(outs[k], t)
-    assert any(r is None for r in results)
+    assert spans[0] == 3  # one group: the cut is inside its span
+    assert isinstance(results[2], CorruptTensorError), results[2]
+    for k in (0, 1):
+        assert results[k] is None, results[k]
+        assert torch.equal(outs[k], srcs[k])
+
+
+async def test_a_group_cancelled_while_it_reads_blob_by_blob_still_answers_its_readers(
+    engine: RawEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group whose span failed reads its blobs one by one; cancelled then (a loop torn
+    down), its readers were never answered and waited for ever."""
+    srcs = {k: random_bytes(12 * KiB + 7, seed=k) for k in range(3)}
+    await asyncio.gather(*(engine.write(k, t) for k, t in srcs.items()))
+    cut = _packed(engine, 2)
+    os.truncate(cut.file.path, cut.offset + 100)
+    gate, alone = threading.Event(), threading.Event()
+    real = engine._io.read_span
+
+    def held_when_alone(blobs: Any, outs: Any) -> Any:
+        if len(blobs) == 1:
+            alone.set()
+            gate.wait(10)
+        return real(blobs, outs)
+
+    monkeypatch.setattr(engine._io, "read_span", held_when_alone)
+    outs = {k: torch.empty_like(t) for k, t in srcs.items()}
+    readers = [asyncio.ensure_future(engine.read(k, outs[k])) for k in srcs]
+    while not alone.is_set():
+        await asyncio.sleep(0.001)
+    for task in list(engine._packs._tasks):
+        task.cancel()
+    gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*readers, return_exceptions=True), timeout=10)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results), results
 
 
 async def test_a_failed_pack_fails_every_blob_in_it_and_frees_its_space(

@@ -263,7 +263,10 @@ class Packs:
             if len(items) > 1:
                 # The span failed as a whole (a file cut short inside it, an unreadable
                 # sector): each blob is read alone, so only those really hit fail.
-                errors = await self._read_each(blobs, outs)
+                try:
+                    errors = await self._read_each(blobs, outs)
+                except BaseException as again:  # cancelled: every reader still hears
+                    errors = [again] * len(items)
         except BaseException as exc:
             errors = [exc] * len(items)
         else:
