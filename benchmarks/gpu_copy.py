@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 import tierstore
+from tierstore.bench._paths import stamp
 from tierstore.config import parse_size
 
 
@@ -99,7 +100,6 @@ def main() -> int:
     size = parse_size(args.size, name="--size")
     g = torch.Generator(device=args.device).manual_seed(0)
     src = [torch.randn(size // 4, device=args.device, generator=g) for _ in range(args.count)]
-    cpu_src = [t.cpu() for t in src]
     rates: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as d:
         common = {"device_bytes": 0, "min_bytes": 0, "disk_dir": d}
@@ -107,6 +107,10 @@ def main() -> int:
         disk = tierstore.TieredStore(**common, host_bytes=0)
         try:
             for _ in range(args.rounds):
+                # Note: [Every page differs]: new bytes each round, so a write that never
+                # happened cannot read back as the last round's.
+                stamp([t.view(torch.uint8) for t in src])
+                cpu_src = [t.cpu() for t in src]
                 d2h, h2d = raw_rates(src)
                 rates.setdefault("plain copy GPU->pinned", []).append(d2h)
                 rates.setdefault("plain copy pinned->GPU", []).append(h2d)

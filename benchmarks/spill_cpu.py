@@ -10,8 +10,9 @@ first round spills into new space, the later ones reuse it. Each round waits unt
 is on disk (polling the store's counters), then, unless ``--no-read``, gets them back newest
 first and checks every value. CPU is the process's user + system seconds, I/O threads
 included, per GB moved; a write's leaves out what the wait itself spent on its thread, as
-``tierstore-bench disk`` does. The setup fills the tensors with a constant each (a
-``memset``), so a profile of a long run is mostly the rounds.
+``tierstore-bench disk`` does. The setup fills the tensors with a non-zero constant each (a
+``memset``; a disk may take zeros faster than data), and each round stamps every page anew
+(24 bytes a page), so a profile of a long run is mostly the rounds.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 import tierstore
-from tierstore.bench._paths import settle
+from tierstore.bench._paths import settle, stamp
 from tierstore.config import parse_size
 from tierstore.errors import ConfigError
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--size must be at least 4 bytes, --count and --rounds at least 1")
     torch.set_num_threads(args.threads)
     n = args.size // 4
-    tensors = [torch.full((n,), float(i)) for i in range(args.count)]
+    tensors = [torch.full((n,), float(i + 1)) for i in range(args.count)]  # no zeros
     gb = args.count * n * 4 / 1e9
     rows: list[tuple[float, float, float, float]] = []
     with tierstore.TieredStore(
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ) as store:
         print(f"{args.count} x {n * 4 / 2**20:.0f} MiB per round, spilling under {args.dir}")
         for r in range(args.rounds):
+            # Note: [Every page differs]: a write that never happened reads back stale.
+            stamp([t.view(torch.uint8) for t in tensors])
             before = store.stats().disk.bytes
             cpu, t0 = time.process_time(), time.perf_counter()
             handles = [store.put(t) for t in tensors]

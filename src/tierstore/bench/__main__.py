@@ -132,10 +132,11 @@ def headline(disk: list[dict[str, Any]], report: train.Report, tool: object = No
     """The two answers as two small tables (medians; GB/s is 10**9 bytes per second).
 
     ``tool``: what measured the raw disk limit (``measure_raw_limit``'s description); the
-    text names fio or dd after it.
+    text names fio, or the one-request loop that stands in for it.
     """
     by = {(r["engine"], r["op"], r["size_bytes"]): r for r in disk}
-    limit = str(tool).split()[0] if tool else "the disk tool"
+    kind = str(tool).split()[0].rstrip(":") if tool else ""
+    limit = {"fio": "fio", "loop": "a one-request loop"}.get(kind, "the disk tool")
 
     def med(engine: str, op: str, size: int) -> float:
         row = by.get((engine, op, size))
@@ -170,13 +171,13 @@ def headline(disk: list[dict[str, Any]], report: train.Report, tool: object = No
     lines.append("first spill, into new space: " + "; ".join(first))
     if not any(r["engine"].startswith("raw-limit") for r in disk):
         lines.append(
-            "(no raw disk limit: neither fio nor dd could write this directory with O_DIRECT,"
-            " so the 'vs disk' columns read nan)"
+            "(no raw disk limit: this directory refuses O_DIRECT, so the 'vs disk' columns"
+            " read nan)"
         )
-    if limit == "dd":
+    if kind == "loop":
         lines += [
-            "(dd keeps one request in flight and the store several, so the store can pass it,",
-            " reading most of all; with fio installed the limit keeps 16 in flight)",
+            "(the loop keeps one request in flight, as dd, and the store several, so the store",
+            " can pass it, reading most of all; with fio installed the limit keeps 16 in flight)",
         ]
 
     def cpu(engine: str, op: str, size: int) -> str:

@@ -7,7 +7,8 @@ Example:
 Every measurement pushes ``--total`` bytes of tensors of one size through one path, writes
 them, then reads them back newest first. The paths, all in one run:
 
-* ``raw-limit``: fio with O_DIRECT, 1 MiB blocks, 16 in flight (dd where fio is absent),
+* ``raw-limit``: fio with O_DIRECT, 1 MiB blocks, 16 in flight (where fio is absent, an O_DIRECT
+  loop of 1 MiB requests, one in flight, as dd's, of random bytes),
   writing a new file; ``raw-limit-overwrite``: the same writes over the file just written;
 * ``tierstore-raw``, ``tierstore-raw-2dirs``, ``tierstore-zarr``: a ``TieredStore`` with no
   host tier, so every tensor spills, through ``put``/``get`` (the 2dirs variant stripes over
@@ -20,7 +21,8 @@ them, then reads them back newest first. The paths, all in one run:
 * ``aiofiles``: whole-file writes and ``readinto`` reads, 16 in flight;
 * ``os``: plain ``os.write``/``os.readv`` of whole files.
 
-Buffered paths (the file paths, ``tierstore-zarr``) are fsync'd within their write time and
+Buffered paths (the file paths, ``tierstore-zarr``) are written back (``sync_file_range``)
+within their write time and
 their files evicted from the page cache before reading; the output says how. Every path
 starts with the heap's free memory handed back to the OS, so each reads into new memory
 (Note: [Every path reads into new memory]). GB/s means 10**9 bytes per second.
@@ -221,7 +223,7 @@ def sweep(
                 if limit is None:
                     if not unmeasured:
                         print(
-                            f"tierstore-bench: no raw disk limit in {d1}: dd with O_DIRECT "
+                            f"tierstore-bench: no raw disk limit in {d1}: O_DIRECT requests "
                             "failed there (fio not installed); the paths are measured alone",
                             file=sys.stderr,
                         )

@@ -1,6 +1,7 @@
 """The paths the benchmark compares: each writes a list of tensors to disk and reads them back.
 
-Every path writes durably enough to reach the disk (O_DIRECT, or ``fsync`` per file), and every
+Every path writes its data to the disk (O_DIRECT, or each file written back with
+``sync_file_range`` within the write's time: :func:`write_back`), and every
 read produces fresh tensors from the disk, newest first (LIFO, as backward consumes them).
 """
 
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierstore.bench._system import PageCache, cached_bytes
+from tierstore.tiers.raw._syscalls import drop_cached
 
 if TYPE_CHECKING:
     from tierstore import StoreStats, TieredStore
@@ -156,9 +158,9 @@ def _store_round(
     """Put every tensor, wait until all are on disk, get them back newest first, release.
 
     ``buffered``: the engine writes through the page cache (zarr). The files in the store's
-    spill directories are then fsync'd, from as many threads as the store's I/O, within the
-    write's time, and evicted before the reads, as the file paths' are: otherwise its
-    figures would be the page cache's.
+    spill directories are then written back (:func:`write_back`), from as many threads as
+    the store's I/O, within the write's time, and evicted before the reads, as the file
+    paths' are: otherwise its figures would be the page cache's.
     """
     total = sum(t.numel() * t.element_size() for t in tensors)
     before = cached_bytes()
@@ -168,7 +170,7 @@ def _store_round(
     files = [] if buffered is None else _files_under(list(store.spill_dirs))
     if files:
         with cf.ThreadPoolExecutor(store.config.io_threads) as pool:
-            files = [f for f, kept in zip(files, pool.map(_fsync, files), strict=True) if kept]
+            files = [f for f, kept in zip(files, pool.map(_write_back, files), strict=True) if kept]
     t1 = Clock()
     delta = cached_bytes() - before
     if buffered is not None:
@@ -271,14 +273,21 @@ def _files_under(directories: list[Path]) -> list[Path]:
     ]
 
 
-def _fsync(path: Path) -> bool:
-    """fsync ``path``; False if it is gone (a store deletes what it released)."""
+def write_back(fd: int) -> None:
+    """Write a file's dirty pages to the disk and wait, data only, as the store's buffered
+    engine does (``sync_file_range``, no journal commit, no device cache flush: the store's
+    O_DIRECT writes pay neither), and drop them from the page cache."""
+    drop_cached(fd, 0, 0, dirty=True)  # 0 bytes: to the end of the file
+
+
+def _write_back(path: Path) -> bool:
+    """:func:`write_back` ``path``; False if it is gone (a store deletes what it released)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
-        os.fsync(fd)
+        write_back(fd)
     finally:
         os.close(fd)
     return True
@@ -295,12 +304,12 @@ _SAVE_THREADS = 4
 
 def _torch_save_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
     """One ``torch.save`` file per tensor, as axolotl's disk offloader does, from as many
-    threads (:data:`_SAVE_THREADS`); fsync'd. Loaded back newest first from as many."""
+    threads (:data:`_SAVE_THREADS`); each written back. Loaded back newest first from as many."""
     work, paths = _files(ctx, len(tensors), ".pt")
 
     def save(t: torch.Tensor, p: Path) -> None:
         torch.save(t, p)
-        _fsync(p)
+        _write_back(p)
 
     try:
         with cf.ThreadPoolExecutor(_SAVE_THREADS) as pool:
@@ -318,7 +327,7 @@ def _torch_save_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
 
 
 def _os_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
-    """Plain ``os.write``/``os.readv`` of whole files, one after another; fsync'd."""
+    """Plain ``os.write``/``os.readv`` of whole files, one after another; each written back."""
     work, paths = _files(ctx, len(tensors), ".bin")
     try:
         before = cached_bytes()
@@ -330,7 +339,7 @@ def _os_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
                 done = 0
                 while done < len(view):
                     done += os.write(fd, view[done:])
-                os.fsync(fd)
+                write_back(fd)
             finally:
                 os.close(fd)
         t1 = Clock()
@@ -361,7 +370,7 @@ def _os_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
 
 
 def _aiofiles_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
-    """aiofiles whole-file writes and ``readinto`` reads, 16 files in flight; fsync'd."""
+    """aiofiles whole-file writes and ``readinto`` reads, 16 files in flight; each written back."""
     import aiofiles
 
     work, paths = _files(ctx, len(tensors), ".bin")
@@ -373,7 +382,7 @@ def _aiofiles_path(ctx: Context, tensors: list[torch.Tensor]) -> Timing:
             async with sem, aiofiles.open(p, "wb") as f:
                 await f.write(t.view(-1).view(torch.uint8).numpy().data)
                 await f.flush()
-                await asyncio.to_thread(os.fsync, f.fileno())
+                await asyncio.to_thread(write_back, f.fileno())
 
         await asyncio.gather(*(one(t, p) for t, p in zip(tensors, paths, strict=True)))
 
