@@ -100,6 +100,7 @@ def main() -> int:
     size = parse_size(args.size, name="--size")
     g = torch.Generator(device=args.device).manual_seed(0)
     src = [torch.randn(size // 4, device=args.device, generator=g) for _ in range(args.count)]
+    cpu_src = [t.cpu() for t in src]
     rates: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as d:
         common = {"device_bytes": 0, "min_bytes": 0, "disk_dir": d}
@@ -107,10 +108,6 @@ def main() -> int:
         disk = tierstore.TieredStore(**common, host_bytes=0)
         try:
             for _ in range(args.rounds):
-                # Note: [Every page differs]: new bytes each round, so a write that never
-                # happened cannot read back as the last round's.
-                stamp([t.view(torch.uint8) for t in src])
-                cpu_src = [t.cpu() for t in src]
                 d2h, h2d = raw_rates(src)
                 rates.setdefault("plain copy GPU->pinned", []).append(d2h)
                 rates.setdefault("plain copy pinned->GPU", []).append(h2d)
@@ -121,6 +118,9 @@ def main() -> int:
                     # the device copies, to tell the GPU path's cost from the disk's.
                     ("disk tier, CPU tensors", disk, cpu_src),
                 ):
+                    # Note: [Every page differs]: new bytes for every pass, so a write that
+                    # never happened cannot read back as the pass before's.
+                    stamp([t.view(torch.uint8) for t in tensors])
                     put, get = store_rates(store, tensors)
                     rates.setdefault(f"{name} put", []).append(put)
                     rates.setdefault(f"{name} get", []).append(get)

@@ -14,18 +14,22 @@ written, as steady-state spilling does) and reads of ``--total`` bytes in reques
 - ``pool x1``: the engine's syscall loops on a pool of one thread, one request in flight;
 - ``pool xN``: the same on ``--threads`` threads (the engine's default, 8), N in flight.
 
-Every path writes non-zero bytes, as the store does (Note: [The disk's limit is measured with
-real bytes] in ``tierstore.bench._system``). CPU is the process's user +
-system seconds (all its threads) per GB; the loop's is its thread's. The paths take turns
-within each round. After the last round every block is read back and
+Every path writes random bytes (Note: [The disk's limit is measured with real bytes] in
+``tierstore.bench._system``); the loop's never repeat, while a pool's N buffers repeat through
+the file, which moves a deduplicating disk's speed but not the CPU per request measured here.
+CPU is the process's user + system seconds (all its threads) per GB; the loop's is its
+thread's. The paths take turns within each round. After the last round every block is read
+back and
 checked against the stamp the pool wrote into it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import mmap
 import os
+import random
 import sys
 import tempfile
 import time
@@ -39,9 +43,10 @@ from tierstore.tiers.raw import probe_direct_io
 from tierstore.tiers.raw._syscalls import pread_all, pwrite_all
 
 
+@functools.lru_cache(maxsize=64)
 def _stamp(block: int, i: int) -> bytes:
-    # i + 1: no buffer of zeros (a disk may take zeros faster than data).
-    return (i + 1).to_bytes(8, "little") * (block // 8)
+    # Random, no page of a buffer like another: a disk may take zeros faster than data.
+    return random.Random(i).randbytes(block)
 
 
 def pool(path: Path, total: int, block: int, threads: int, write: bool) -> tuple[float, float]:

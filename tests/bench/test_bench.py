@@ -91,7 +91,7 @@ def test_bench_runs_tiny_and_writes_the_json_schema(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
 
 
-def test_raw_limit_falls_back_to_dd_and_says_so(
+def test_raw_limit_falls_back_to_a_one_request_loop_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tierstore.bench import _system
@@ -104,6 +104,59 @@ def test_raw_limit_falls_back_to_dd_and_says_so(
     assert limit is not None
     assert limit.tool.startswith("loop:") and "fio not installed" in limit.tool
     assert limit.write_gbps > 0 and limit.overwrite_gbps > 0 and limit.read_gbps > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_disk_limit_writes_random_pages_never_the_same_twice(tmp_path: Path) -> None:
+    """Note: [The disk's limit is measured with real bytes]: dd wrote zeros, which a disk may
+    take faster than data; a first loop cycled 16 MiB and overwrote with the same bytes."""
+    from tierstore.bench import _system
+    from tierstore.tiers.raw import probe_direct_io
+
+    if not probe_direct_io(tmp_path).supported:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    path = tmp_path / "limit"
+    nbytes = 4 << 20
+    _system.direct_io(path, nbytes, "write", block=256 << 10)
+    first = path.read_bytes()
+    _system.direct_io(path, nbytes, "write", block=256 << 10)
+    second = path.read_bytes()
+    assert len(first) == len(second) == nbytes
+    for data in (first, second):
+        pages = [data[i : i + 4096] for i in range(0, nbytes, 4096)]
+        assert len(set(pages)) == len(pages) and bytes(4096) not in pages
+    assert first != second
+    gbps, cpu = _system.direct_io(path, nbytes, "read", block=256 << 10)
+    assert gbps > 0 and cpu >= 0
+
+
+def test_a_request_failing_inside_the_limit_loop_gives_no_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed request left a slice of the buffer exported, and closing the buffer raised
+    BufferError over the OSError: the sweep died instead of going on without a limit."""
+    import errno
+
+    from tierstore.bench import _system
+    from tierstore.tiers.raw import probe_direct_io
+
+    if not probe_direct_io(tmp_path).supported:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    real, calls = os.pwrite, [0]
+
+    def third_fails(fd: int, data: Any, offset: int) -> int:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(_system.os, "pwrite", third_fails)
+    monkeypatch.setattr(_system.shutil, "which", lambda name: None)
+    with pytest.raises(OSError, match="No space"):
+        _system.direct_io(tmp_path / "limit", 4 << 20, "write", block=256 << 10)
+    (tmp_path / "limit").unlink()
+    calls[0] = 0
+    assert _system.measure_raw_limit(tmp_path, 4 << 20) is None
     assert list(tmp_path.iterdir()) == []
 
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import mmap
 import os
 import platform
-import random
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from tierstore._spilldir import mount_of
 
@@ -124,8 +126,11 @@ def _fio(path: Path, nbytes: int, rw: str, engine: str) -> tuple[float, float]:
     return float(job[rw]["bw_bytes"]) / 1e9, cpu_s / (nbytes / 1e9)
 
 
-_SOURCE_BYTES = 16 * MiB
-"""Random bytes a :func:`direct_io` write cycles through."""
+_SOURCE_MAX_BYTES = 1 << 30
+"""The most random bytes a :func:`direct_io` write draws; a longer write cycles through them."""
+
+_PASSES = itertools.count(1)
+"""Seeds the random bytes of each :func:`direct_io` write: no two passes write the same."""
 
 
 def direct_io(path: Path, nbytes: int, rw: str, block: int = MiB) -> tuple[float, float]:
@@ -133,46 +138,57 @@ def direct_io(path: Path, nbytes: int, rw: str, block: int = MiB) -> tuple[float
     flight, as ``dd oflag=direct`` or ``iflag=direct`` makes them.
 
     Note: [The disk's limit is measured with real bytes]
-        A write sends random bytes, from a page-aligned buffer of :data:`_SOURCE_BYTES` it
-        cycles through, each block with its number in its first 8 bytes, as every path it is
-        compared with writes real data. dd's ``if=/dev/zero`` wrote zeros, which a virtual,
-        thin or compressing disk may take faster than data: a review measured zeros 1.25x
-        (new file) and 1.4x (overwriting) as fast on this VM one afternoon; a rerun the same
+        A write sends random bytes, new for every call (an overwrite is not the bytes
+        already there) and drawn before the clock starts, as many as it writes up to
+        :data:`_SOURCE_MAX_BYTES`: no page repeats, as none repeats in the tensors the
+        paths write (Note: [Every page differs]), so a disk that deduplicates, compresses
+        or skips zeros gains nothing the paths do not. dd's ``if=/dev/zero`` wrote zeros,
+        which such a disk may take faster than data: a review measured zeros 1.25x (new
+        file) and 1.4x (overwriting) as fast on this VM one afternoon; a rerun the same
         evening found no such gap (zeros 1.90 and 2.55 GB/s, random 2.12 and 2.85). dd
         also clears each block from ``/dev/zero`` between its writes, in the time it
         measures; this loop does not (3.56 against dd's 3.12 GB/s overwriting, same run).
         The loop's CPU is this thread's (the system calls' kernel time included).
 
     Raises:
-        OSError: ``path``'s filesystem refuses O_DIRECT, or a request moved fewer bytes.
+        OSError: ``path``'s filesystem refuses O_DIRECT, or a request failed or moved
+            fewer bytes.
     """
     count = max(1, nbytes // block)
     write = rw == "write"
-    slots = max(1, min(count, _SOURCE_BYTES // block))
+    slots = max(1, min(count, _SOURCE_MAX_BYTES // block)) if write else 1
     buf = mmap.mmap(-1, slots * block)  # page-aligned, as O_DIRECT needs
-    view = memoryview(buf)
     try:
         if write:
-            view[:] = random.Random(block).randbytes(len(view))
-        flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
-        fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            g = torch.Generator().manual_seed(next(_PASSES))
+            source = torch.frombuffer(buf, dtype=torch.uint8)
+            for at in range(0, len(buf), 64 * MiB):  # drawn in pieces: no second copy of it all
+                part = source[at : at + 64 * MiB]
+                part.copy_(torch.randint(0, 256, part.shape, dtype=torch.uint8, generator=g))
+            del source, part
+        view = memoryview(buf)
+        pieces = [view[k * block : (k + 1) * block] for k in range(slots)]
         try:
-            cpu0, t0 = time.thread_time(), time.perf_counter()
-            for i in range(count):
-                piece = view[(i % slots) * block : (i % slots + 1) * block]
-                if write:
-                    piece[:8] = i.to_bytes(8, "little")
-                    n = os.pwrite(fd, piece, i * block)
-                else:
-                    n = os.preadv(fd, [piece], i * block)
-                piece.release()
-                if n != block:
-                    raise OSError(errno.EIO, f"{rw} of {block} bytes at {i * block} moved {n}")
-            seconds, cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
+            flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+            fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            try:
+                cpu0, t0 = time.thread_time(), time.perf_counter()
+                for i in range(count):
+                    piece = pieces[i % slots]
+                    if write:
+                        n = os.pwrite(fd, piece, i * block)
+                    else:
+                        n = os.preadv(fd, [piece], i * block)
+                    if n != block:
+                        raise OSError(errno.EIO, f"{rw} of {block} bytes at {i * block}: {n}")
+                seconds, cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            for piece in pieces:
+                piece.release()
+            view.release()
     finally:
-        view.release()
         buf.close()
     return count * block / seconds / 1e9, cpu_s / (count * block / 1e9)
 
