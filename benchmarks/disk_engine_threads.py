@@ -80,9 +80,10 @@ def main() -> None:
     for _ in range(2):
         limit = measure_raw_limit(args.dir, 1 << 30)
         if limit is None:
-            print("  no O_DIRECT read limit: dd with O_DIRECT failed in this directory")
+            print("  no O_DIRECT read limit: O_DIRECT failed in this directory")
         else:
-            print(f"  {limit.tool.split()[0]} O_DIRECT read limit {limit.read_gbps:.2f}")
+            tool = limit.tool.split()[0].rstrip(":")
+            print(f"  {tool} O_DIRECT read limit {limit.read_gbps:.2f}")
         for threads, chunk in ((4, "8MiB"), (8, "8MiB"), (16, "4MiB"), (8, "2MiB")):
             speed = asyncio.run(_concurrent(args.dir, threads, chunk))
             print(f"  threads {threads} chunk {chunk}: {speed:.2f}")

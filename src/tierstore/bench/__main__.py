@@ -8,8 +8,9 @@
 The default run answers the two questions a user comes with:
 
 1. How fast does the store spill and read back on this disk, against the disk's own limit
-   (fio or dd with O_DIRECT) and against ``torch.save``/``torch.load``? Tensors of 1 MiB and
-   64 MiB, 512 MiB of each, through a store whose host tier is empty, three times each.
+   (fio, or O_DIRECT requests one at a time) and against ``torch.save``/``torch.load``?
+   Tensors of 1 MiB and 64 MiB, 512 MiB of each, through a store whose host tier is empty,
+   three times each.
 2. How much memory does offloading save in a training step, and at what cost in step time?
    A small decoder (4 blocks, width 256, batch 4, sequence 512) trains in a fresh process per
    mode: plain, ``torch.utils.checkpoint``, and tierstore's host tier, disk tier and
