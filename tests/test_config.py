@@ -318,3 +318,40 @@ def test_a_config_built_directly_is_normalized_as_from_env_would() -> None:
     assert built == parsed
     assert (built.checksum, built.direct_io, built.host_bytes) == ("crc32c", "on", 64 << 20)
     assert built.disk_dirs == (Path("/tmp"),)
+
+
+def test_one_directory_spelled_two_ways_is_refused(tmp_path: Path) -> None:
+    """``/var/../var/tmp`` beside ``/var/tmp``, or a link beside its target, was taken as two
+    directories: two stripes on one disk."""
+    d = tmp_path / "spill"
+    d.mkdir()
+    (tmp_path / "link").symlink_to(d)
+    for other in (tmp_path / "x" / ".." / "spill", tmp_path / "link"):
+        (tmp_path / "x").mkdir(exist_ok=True)
+        with pytest.raises(ConfigError, match="the same directory twice"):
+            StoreConfig.from_env({"TIERSTORE_DISK_DIR": f"{d}:{other}"})
+    assert len(StoreConfig.from_env({"TIERSTORE_DISK_DIR": f"{d}:{tmp_path}"}).disk_dirs) == 2
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_the_host_default_follows_the_limit_of_the_process_own_cgroup(
+    tmp_path: Path, version: str
+) -> None:
+    """Only the root cgroup's limit was read, which never carries one: under Slurm, systemd
+    or a container sharing the host's cgroup namespace, the default host tier was a quarter
+    of the node's memory, not of the job's limit."""
+    from tierstore.config import _physical_memory_bytes
+
+    mount = tmp_path / "cgroup"
+    base = mount if version == "v2" else mount / "memory"
+    name = "memory.max" if version == "v2" else "memory.limit_in_bytes"
+    job, step = base / "job_7", base / "job_7" / "step_0"
+    step.mkdir(parents=True)
+    (job / name).write_text("1073741824\n")  # the job's limit, on the parent
+    (step / name).write_text("max\n" if version == "v2" else "9223372036854771712\n")
+    proc = tmp_path / "cgroup.txt"
+    proc.write_text("0::/job_7/step_0\n" if version == "v2" else "4:memory:/job_7/step_0\n")
+    assert _physical_memory_bytes(proc, mount) == 1 << 30
+    (job / name).write_text("max\n" if version == "v2" else "9223372036854771712\n")
+    assert _physical_memory_bytes(proc, mount) == _physical_memory_bytes(tmp_path / "no", mount)
+    assert _physical_memory_bytes(tmp_path / "no", mount) > 1 << 30

@@ -214,17 +214,41 @@ def _parse_dirs(
             f"{os.pathsep!r} are striped), or unset it for the default"
         )
     dirs = tuple(Path(os.path.expanduser(os.fspath(p))).absolute() for p in parts)
-    if len(set(dirs)) != len(dirs):
+    # The same directory spelled two ways (``..``, a symbolic link) is still one directory.
+    if len({os.path.realpath(d) for d in dirs}) != len(dirs):
         raise ConfigError(f"{name}={value!r}: lists the same directory twice")
     return dirs
 
 
-def _physical_memory_bytes() -> int:
-    """Physical memory, or the cgroup limit when the process is confined to less."""
+def _physical_memory_bytes(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), mount: Path = Path("/sys/fs/cgroup")
+) -> int:
+    """Physical memory, or the memory limit of this process's cgroup when it is confined to
+    less: the smallest ``memory.max`` (cgroup v2) or ``memory.limit_in_bytes`` (v1) of the
+    cgroup ``proc_cgroup`` names and of each of its ancestors up to ``mount``. Slurm, systemd
+    and containers without their own cgroup namespace set the limit there, not at the root.
+    """
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    places = [(mount, "memory.max"), (mount / "memory", "memory.limit_in_bytes")]
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if not controllers:
+            base, name = mount, "memory.max"  # v2: "0::/path"
+        elif "memory" in controllers.split(","):
+            base, name = mount / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        here = base / path.lstrip("/")
+        while here != base and base in here.parents:
+            places.append((here, name))
+            here = here.parent
+    for directory, name in places:
         try:
-            text = Path(path).read_text().strip()
+            text = (directory / name).read_text().strip()
         except OSError:
             continue
         if text.isdigit():

@@ -611,3 +611,73 @@ def test_a_method_looked_up_on_a_temporary_copy_does_nothing(
     getattr(copy.deepcopy(model), f"{name}_checkpointing_disable")()
     getattr(copy.deepcopy(model), f"{name}_checkpointing_enable")()
     assert checkpointing_on(model)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "compile"])
+def test_offloading_context_finds_the_head_inside_ddp_and_compile(
+    tmp_path: Path, wrapper: str
+) -> None:
+    """The head was the wrapper's last child, which is the whole model: everything ran inside
+    no_offload and nothing was offloaded. TRL's context unwraps ``.module`` first."""
+    import torch.distributed as dist
+
+    from tierstore.integrations.transformers import _output_head, offloading_context
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)
+    )
+    started = False
+    if wrapper == "ddp":
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+        )
+        started = True
+        wrapped: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        wrapped = torch.compile(model)  # type: ignore[assignment]
+    try:
+        assert _output_head(wrapped) is model[2]
+        if wrapper == "ddp":
+            x = torch.randn(256, 256)
+            with tierstore.TieredStore(
+                device_bytes=0, host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)
+            ) as store:
+                with offloading_context(wrapped, store, min_bytes=1024):
+                    loss = wrapped(x).sum()
+                assert store.stats().puts > 0
+                loss.backward()
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def test_offloading_context_warns_where_the_one_child_is_the_whole_model() -> None:
+    from tierstore.integrations.transformers import _output_head
+
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+
+    with pytest.warns(RuntimeWarning, match="cannot tell the output head of Outer"):
+        assert _output_head(Outer()) is None
+
+
+def test_enable_on_a_ddp_wrapped_model_checkpoints_the_model_inside(
+    store: tierstore.TieredStore, tmp_path: Path
+) -> None:
+    """DDP's ``.module`` was not looked through: the error said DistributedDataParallel does
+    not support gradient checkpointing and told the user to wrap the layers by hand."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        model = tiny_llama()
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        enable_offloaded_checkpointing(wrapped, store)
+        assert checkpointing_on(model)
+    finally:
+        dist.destroy_process_group()

@@ -29,6 +29,7 @@ import functools
 import inspect
 import logging
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -200,7 +201,9 @@ def _wrapped_model(model: torch.nn.Module) -> torch.nn.Module:
         if hasattr(type(model), "_set_gradient_checkpointing"):
             return model
         get_base: Any = getattr(type(model), "get_base_model", None)
-        if get_base is not None:
+        if (parallel := _parallel_inner(model)) is not None:  # DDP, FSDP, torch.compile
+            inner: Any = parallel
+        elif get_base is not None:
             inner = get_base(model)
         else:  # torch.compile's wrapper, PEFT's tuner models and mixed models
             inner = next(
@@ -549,9 +552,45 @@ class _HeadBlocks:
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's output head: ``get_output_embeddings()``, else its last child, looked for
+    inside data-parallel and ``torch.compile`` wrappers (whose only child is the whole model:
+    kept out of offloading, it kept everything). None, with a warning, where the model's one
+    child is all there is."""
+    model = _unwrapped(model)
     get: Any = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if head is None:
         children = list(model.children())
+        if len(children) == 1:
+            warnings.warn(
+                f"tierstore: offloading_context cannot tell the output head of "
+                f"{type(model).__name__}, whose one child is the whole model; nothing is kept "
+                "out of offloading. Pass keep_output_head=False to silence this.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
         head = children[-1] if children else None
     return head
+
+
+def _parallel_inner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a ``DistributedDataParallel``, ``DataParallel``, FSDP (its first version)
+    or ``torch.compile`` wrapper holds; None when ``model`` is no such wrapper."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, (DataParallel, DistributedDataParallel)):
+        inner: object = model.module
+    else:
+        inner = getattr(model, "_fsdp_wrapped_module", None) or getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) and inner is not model else None
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` without its data-parallel and ``torch.compile`` wrappers."""
+    for _ in range(8):
+        inner = _parallel_inner(model)
+        if inner is None:
+            break
+        model = inner
+    return model
