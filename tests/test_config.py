@@ -355,3 +355,18 @@ def test_the_host_default_follows_the_limit_of_the_process_own_cgroup(
     (job / name).write_text("max\n" if version == "v2" else "9223372036854771712\n")
     assert _physical_memory_bytes(proc, mount) == _physical_memory_bytes(tmp_path / "no", mount)
     assert _physical_memory_bytes(tmp_path / "no", mount) > 1 << 30
+
+
+def test_odd_cgroup_names_and_paths_leave_the_host_default_alone(tmp_path: Path) -> None:
+    """A cgroup named with bytes that are not UTF-8 made every store fail to open; a path
+    above the namespace's root (``0::/../x``) read limit files outside the cgroup mount."""
+    from tierstore.config import _physical_memory_bytes
+
+    mount = tmp_path / "sys" / "fs" / "cgroup"
+    mount.mkdir(parents=True)
+    (tmp_path / "sys" / "fs" / "memory.max").write_text("12345\n")
+    free = _physical_memory_bytes(tmp_path / "none", mount)
+    proc = tmp_path / "cgroup.txt"
+    for content in (b"0::/\xff\xfe/x\n", b"0::/../x\n", b"garbage\n:\n1:\n"):
+        proc.write_bytes(content)
+        assert _physical_memory_bytes(proc, mount) == free

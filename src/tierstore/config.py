@@ -230,7 +230,8 @@ def _physical_memory_bytes(
     """
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
-        lines = proc_cgroup.read_text().splitlines()
+        # A cgroup's name is any bytes: undecodable ones name no limit file, and raise nothing.
+        lines = proc_cgroup.read_bytes().decode("utf-8", "surrogateescape").splitlines()
     except OSError:
         lines = []
     places = [(mount, "memory.max"), (mount / "memory", "memory.limit_in_bytes")]
@@ -241,6 +242,8 @@ def _physical_memory_bytes(
         elif "memory" in controllers.split(","):
             base, name = mount / "memory", "memory.limit_in_bytes"
         else:
+            continue
+        if ".." in Path(path).parts:  # a cgroup outside this namespace's root
             continue
         here = base / path.lstrip("/")
         while here != base and base in here.parents:

@@ -157,7 +157,8 @@ def direct_io(path: Path, nbytes: int, rw: str, block: int = MiB) -> tuple[float
     count = max(1, nbytes // block)
     write = rw == "write"
     slots = max(1, min(count, _SOURCE_MAX_BYTES // block)) if write else 1
-    buf = mmap.mmap(-1, slots * block)  # page-aligned, as O_DIRECT needs
+    # Page-aligned, as O_DIRECT needs; private, so it is not shared memory (``Cached``).
+    buf = mmap.mmap(-1, slots * block, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         if write:
             g = torch.Generator().manual_seed(next(_PASSES))

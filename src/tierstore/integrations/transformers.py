@@ -582,7 +582,9 @@ def _parallel_inner(model: torch.nn.Module) -> torch.nn.Module | None:
     if isinstance(model, (DataParallel, DistributedDataParallel)):
         inner: object = model.module
     else:
-        inner = getattr(model, "_fsdp_wrapped_module", None) or getattr(model, "_orig_mod", None)
+        inner = getattr(model, "_fsdp_wrapped_module", None)
+        if inner is None:  # not ``or``: an empty container is falsy
+            inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, torch.nn.Module) and inner is not model else None
 
 
