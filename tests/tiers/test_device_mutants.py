@@ -111,6 +111,22 @@ GPU_MUTANTS = (
         "            pass\n",
         "prefetched_then_released",
     ),
+    _m(
+        "get-from-another-stream-unordered",
+        "a get of an entry still on its device, on another stream than the put's, neither "
+        "waits for the producer nor records the memory on the getter's stream",
+        "    cur.wait_event(ready)\n    t.record_stream(cur)\n",
+        "    pass\n",
+        "device_tier_get_on_another_stream",
+    ),
+    _m(
+        "ready-on-a-cached-stream",
+        "put records its ready event on the stream current at the first put, not at each",
+        "    event.record(_accelerator.current_stream(t.device))\n",
+        "    event.record(ready_event.__dict__.setdefault(str(t.device), "
+        "_accelerator.current_stream(t.device)))\n",
+        "put_from_a_side_stream",
+    ),
 )
 
 

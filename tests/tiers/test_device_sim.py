@@ -272,6 +272,61 @@ def spilled_through_pinned_memory(env: Env, device: str, layout: str) -> None:
         assert torch.equal(on_host(store.get(h)), want)
 
 
+def device_tier_get_on_another_stream(env: Env, device: str, layout: str) -> None:
+    """A get of an entry still on its device, from a stream other than the put's, was not
+    ordered after the producer, and the store could free that memory (at release, on the
+    producer's stream) under the getter's reads; gets from the other tiers were."""
+    store = env.store("device")
+    t, want = produced(device, layout, seed=9)
+    h = store.put(t)
+    del t
+    assert rests(store, h) is Tier.DEVICE
+    with torch.Stream(device=device):
+        got = store.get(h)
+        doubled = got * 2
+        del got
+        store.release(h)
+        gc.collect(1)
+        torch.full((48, 40), 7.0, device=device)  # may take the memory the release freed
+        assert torch.equal(on_host(doubled), want * 2)
+
+
+def put_from_a_side_stream(env: Env, device: str, layout: str) -> None:
+    """The copy down waits for the stream current at each put, read anew every time: one
+    cached at the first put (the default stream) left a later put's copy unordered."""
+    store = env.store("host")
+    first = store.put(torch.ones(4, device=device) * 1)
+    assert rests(store, first) is Tier.HOST
+    side = torch.Stream(device=device)
+    with side:
+        t, want = produced(device, layout, seed=5)
+        h = store.put(t)
+        del t
+    assert rests(store, h) is Tier.HOST
+    with side:
+        assert torch.equal(on_host(store.get(h)), want)
+
+
+def close_with_fetched_uploads_nobody_took(env: Env, device: str, layout: str) -> None:
+    """Tensors fetched back for gets that never came are freed at close only after their
+    copies end: the allocator hands their memory to the next tensor at once."""
+    store = env.store("host")
+    hs = []
+    for seed in range(3):
+        t, _ = produced(device, layout, seed=seed)
+        hs.append(store.put(t))
+        del t
+    for h in hs:
+        assert rests(store, h) is Tier.HOST
+    store.prefetch(hs)
+    for h in hs:
+        fetched(store, h)
+    store.close()
+    gc.collect(1)
+    after = torch.full((48, 40), 7.0, device=device)  # may reuse the freed memory
+    assert torch.equal(on_host(after), torch.full((48, 40), 7.0))
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -281,6 +336,9 @@ SCENARIOS = {
         prefetched_then_released,
         close_with_copies_in_flight,
         spilled_through_pinned_memory,
+        device_tier_get_on_another_stream,
+        put_from_a_side_stream,
+        close_with_fetched_uploads_nobody_took,
     )
 }
 

@@ -21,7 +21,7 @@ import concurrent.futures as cf
 from typing import TYPE_CHECKING
 
 from tierstore._state import TRANSIT, TensorState
-from tierstore.tiers._device import compact, copy_to_device, hand_over
+from tierstore.tiers._device import compact, copy_to_device, hand_over, order_after_put
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +67,9 @@ def read_now(core: StoreCore, e: Entry) -> torch.Tensor | cf.Future[torch.Tensor
             raise e.failure()
         st.prefetch_hits += 1
         st.gets += 1
+        if not e.on_cpu:
+            # Before the compact copy, which runs on the caller's stream.
+            order_after_put(source, e.ready, e.stream)  # Note: [A get from another stream]
         return compact(source)  # Note: [What get returns]
     if source is not None and state in (S.HOST, S.MOVING_TO_DISK):
         # An accelerator tensor in host memory (perhaps being written to disk): queue the

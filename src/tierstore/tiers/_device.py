@@ -133,6 +133,27 @@ def ready_event(t: torch.Tensor) -> Any:
     return event
 
 
+def order_after_put(t: torch.Tensor, ready: Any, producer: Any) -> None:
+    """Order the caller's current stream after ``ready``, the event recorded on ``producer``
+    when ``t`` was put, where the caller's stream is another; ``t``'s memory, the producer's,
+    is then freed only after the caller's work on it. A no-op on the CPU, on the producer's
+    stream, or with no event.
+
+    Note: [A get from another stream]
+        A get of an entry still on its device hands back the caller's tensor (or a compact
+        copy made on the caller's stream): the caller's stream must wait for the work that
+        made it, as it waits for an upload from the other tiers (``hand_over``), and the
+        memory must not return to the producer's stream while the caller's work reads it.
+    """
+    if t.device.type == "cpu" or ready is None:
+        return
+    cur = _accelerator.current_stream(t.device)
+    if cur == producer:
+        return
+    cur.wait_event(ready)
+    t.record_stream(cur)
+
+
 def current_stream(device: torch.device) -> Any:
     """The calling thread's current stream on ``device`` (None on the CPU)."""
     if device.type == "cpu":
