@@ -79,10 +79,25 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         for p in model.parameters():
             assert p.grad is not None
             digest.update(p.grad.numpy().tobytes())
+        if args.grads_out:  # the last step's, for the parent to say where modes differ
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            torch.save(grads, args.grads_out)
         opt.step()
     if store is not None:
         store.close()
     return {"marks": marks, "peak": sampler.peak, "grads": digest.hexdigest()}
+
+
+def _where_they_differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """One line per parameter whose gradients differ: how many elements, the largest gap."""
+    lines = []
+    for name, x in a.items():
+        y = b[name]
+        if not torch.equal(x, y):
+            ne = (x != y).sum().item()
+            gap = (x - y).abs().max().item()
+            lines.append(f"  {name}: {ne} of {x.numel()} elements differ, at most by {gap:.3g}")
+    return lines
 
 
 def main() -> int:
@@ -97,6 +112,7 @@ def main() -> int:
     parser.add_argument("--prefetch-bytes", type=int, default=32 * MiB)
     parser.add_argument("--disk-dir", default=None)
     parser.add_argument("--worker", choices=("torch_ckpt", "ts_ckpt"), help=argparse.SUPPRESS)
+    parser.add_argument("--grads-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(_worker(args)))
@@ -106,13 +122,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("torch_ckpt", "ts_ckpt"):
             cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", mode]
+            cmd += ["--grads-out", os.path.join(tmp, f"{mode}.pt")]
             if args.disk_dir is None:
                 cmd += ["--disk-dir", tmp]
             done = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
             results[mode] = json.loads(done.stdout.splitlines()[-1])
-    if results["torch_ckpt"]["grads"] != results["ts_ckpt"]["grads"]:
-        print("the two modes' gradients differ: no figures", file=sys.stderr)
-        return 1
+        if results["torch_ckpt"]["grads"] != results["ts_ckpt"]["grads"]:
+            a, b = (torch.load(os.path.join(tmp, f"{m}.pt")) for m in ("torch_ckpt", "ts_ckpt"))
+            where = "\n".join(_where_they_differ(a, b))
+            print(f"the two modes' gradients differ: no figures\n{where}", file=sys.stderr)
+            return 1
     input_mib = args.batch * args.seq * args.dim * 4 / MiB
     print(f"block input {input_mib:.0f} MiB; RSS in MiB at each mark of the last step")
     names = [name for name, _ in results["torch_ckpt"]["marks"]]
