@@ -224,7 +224,7 @@ def _print(info: dict[str, object]) -> None:
     print(f"  disk   {format_size(caps['disk_bytes'])} ({caps['disk_from']})")
     cuda = info["cuda"]
     assert isinstance(cuda, dict)
-    print(f"accelerator: {cuda['type'] or 'none'} {cuda['devices'] or ''}")
+    print(f"accelerator: {cuda['type'] or 'none'} {cuda['devices'] or ''}".rstrip())
     print(f"CUDA available: {'yes' if cuda['type'] == 'cuda' else 'no'}")
     print(f"pinned host memory: {'yes' if cuda['pinning'] else 'no'} ({cuda['pinning_detail']})")
     print(f"checksum: {info['checksum']}")

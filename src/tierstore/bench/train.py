@@ -314,8 +314,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--min-bytes",
         type=_byte_size,
-        default=1 << 20,
-        help="store and adapter min_bytes, in bytes or with a unit (default 1MiB)",
+        default="1MiB",  # a string default goes through type, and shows as written
+        help="store and adapter min_bytes, in bytes or with a unit",
     )
     p.add_argument("--prefetch-bytes", default="32MiB", help="store prefetch window")
     p.add_argument("--inflight-bytes", default="32MiB", help="store save semaphore")
