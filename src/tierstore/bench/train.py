@@ -319,7 +319,10 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prefetch-bytes", default="32MiB", help="store prefetch window")
     p.add_argument("--inflight-bytes", default="32MiB", help="store save semaphore")
-    p.add_argument("--disk-dir", help="parent of the spill directory (default: a temp dir)")
+    p.add_argument(
+        "--disk-dir",
+        help="parent of the spill directory (default: a temp dir)%(default).0s",  # not "None"
+    )
     p.add_argument("--rounds", type=int, default=1, help="run every mode this many times")
     p.add_argument(
         "--busy",

@@ -104,7 +104,7 @@ def enable_offloaded_checkpointing(
         >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
         ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
         >>> tt.enable_offloaded_checkpointing(model, tierstore.TieredStore(min_bytes=0))
-        >>> model.is_gradient_checkpointing
+        >>> model.is_activation_checkpointing  # is_gradient_checkpointing before 5.17
         True
     """
     _check_every_n_layers(every_n_layers)
