@@ -19,8 +19,7 @@ Every path writes random bytes (Note: [The disk's limit is measured with real by
 the file, which moves a deduplicating disk's speed but not the CPU per request measured here.
 CPU is the process's user + system seconds (all its threads) per GB; the loop's is its
 thread's. The paths take turns within each round. After the last round every block is read
-back and
-checked against the stamp the pool wrote into it.
+back and checked against the stamp the pool wrote into it.
 """
 
 from __future__ import annotations

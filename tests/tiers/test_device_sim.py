@@ -223,9 +223,10 @@ def prefetched_on_another_stream(env: Env, device: str, layout: str) -> None:
         assert torch.equal(on_host(doubled), want * 2)
 
 
-def prefetched_then_released(env: Env, device: str, layout: str) -> None:
-    """A tensor fetched back for nobody (its entry released first) is freed only after its
-    copy has ended: the allocator would hand its memory to the next tensor at once."""
+def three_fetched(
+    env: Env, device: str, layout: str
+) -> tuple[tierstore.TieredStore, list[tierstore.TensorHandle]]:
+    """A host-tier store and three handles whose tensors it has fetched back, unasked for."""
     store = env.store("host")
     hs = []
     for seed in range(3):
@@ -237,6 +238,13 @@ def prefetched_then_released(env: Env, device: str, layout: str) -> None:
     store.prefetch(hs)
     for h in hs:
         fetched(store, h)
+    return store, hs
+
+
+def prefetched_then_released(env: Env, device: str, layout: str) -> None:
+    """A tensor fetched back for nobody (its entry released first) is freed only after its
+    copy has ended: the allocator would hand its memory to the next tensor at once."""
+    _, hs = three_fetched(env, device, layout)
     del hs  # released by their handles' deaths
     gc.collect(1)
     after = torch.full((48, 40), 7.0, device=device)  # may reuse the freed memory
@@ -310,17 +318,7 @@ def put_from_a_side_stream(env: Env, device: str, layout: str) -> None:
 def close_with_fetched_uploads_nobody_took(env: Env, device: str, layout: str) -> None:
     """Tensors fetched back for gets that never came are freed at close only after their
     copies end: the allocator hands their memory to the next tensor at once."""
-    store = env.store("host")
-    hs = []
-    for seed in range(3):
-        t, _ = produced(device, layout, seed=seed)
-        hs.append(store.put(t))
-        del t
-    for h in hs:
-        assert rests(store, h) is Tier.HOST
-    store.prefetch(hs)
-    for h in hs:
-        fetched(store, h)
+    store, _ = three_fetched(env, device, layout)
     store.close()
     gc.collect(1)
     after = torch.full((48, 40), 7.0, device=device)  # may reuse the freed memory

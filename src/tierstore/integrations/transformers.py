@@ -205,11 +205,11 @@ def _wrapped_model(model: torch.nn.Module) -> torch.nn.Module:
             inner: Any = parallel
         elif get_base is not None:
             inner = get_base(model)
-        else:  # torch.compile's wrapper, PEFT's tuner models and mixed models
+        else:  # PEFT's tuner models and mixed models
             inner = next(
                 (
                     child
-                    for name in ("_orig_mod", "model", "base_model")
+                    for name in ("model", "base_model")
                     if isinstance(child := getattr(model, name, None), torch.nn.Module)
                 ),
                 None,

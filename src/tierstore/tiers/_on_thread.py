@@ -47,9 +47,12 @@ class _Call:
         return fn(*args)
 
 
-async def outlive_cancel(fut: asyncio.Future[T]) -> T:
+async def outlive_cancel(
+    fut: asyncio.Future[T], on_cancel: Callable[[], object] | None = None
+) -> T:
     """Wait for ``fut``, a transfer on an I/O thread, even when the waiting task is cancelled
-    (once or many times); then raise ``CancelledError`` if it was.
+    (once or many times); then raise ``CancelledError`` if it was. ``on_cancel`` runs at the
+    first cancel (to cancel what ``fut`` waits for, where that can be stopped).
 
     The thread cannot be stopped: a task that gave up on it at once would free the extent the
     thread still writes, or hand back the memory it still reads into, for others to reuse
@@ -63,6 +66,8 @@ async def outlive_cancel(fut: asyncio.Future[T]) -> T:
         except asyncio.CancelledError:
             if fut.cancelled():  # the future itself, not only its waiter
                 raise
+            if not cancelled and on_cancel is not None:
+                on_cancel()
             cancelled = True
         except BaseException:
             if cancelled:  # the cancel wins over what the thread raised

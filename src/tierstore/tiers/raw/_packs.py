@@ -259,8 +259,9 @@ class Packs:
                 await outlive_cancel(on_thread(self._pool, self._io.read_span, blobs, outs))
             )
         except Exception as exc:
-            errors = [exc] * len(items)
-            if len(items) > 1:
+            if len(items) == 1:
+                errors = [exc]
+            else:
                 # The span failed as a whole (a file cut short inside it, an unreadable
                 # sector): each blob is read alone, so only those really hit fail.
                 try:
@@ -301,17 +302,11 @@ async def all_done(futures: list[asyncio.Future[Any]]) -> None:
     """
     if not futures:
         return
-    cancelled = False
-    while True:
-        try:
-            await asyncio.wait(futures)
-            break
-        except asyncio.CancelledError:
-            # Cancelled again while the futures end: keep waiting, or the caller would read
-            # outcomes that are not there yet.
-            if not cancelled:
-                for fut in futures:
-                    fut.cancel()
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+
+    def cancel_all() -> None:
+        for fut in futures:
+            fut.cancel()
+
+    # Cancelled again while the futures end, it keeps waiting: the caller would otherwise read
+    # outcomes that are not there yet.
+    await outlive_cancel(asyncio.gather(*futures, return_exceptions=True), cancel_all)
