@@ -20,7 +20,11 @@ What it models (``simulate()`` installs it for the length of a ``with`` block):
   device tensor queues a poisoning write on the stream that allocated it, as the caching
   allocator's reuse would (after the work of streams named by ``record_stream``). A pinned
   or device buffer read by a queued copy is held by address only, as by a DMA engine: Python
-  references do not keep it alive for the copy.
+  references do not keep it alive for the copy. A pinned block whose storage dies is freed as
+  the caching host allocator frees it: copies made through that storage recorded themselves
+  on it and run first; any other queued copy that touches the block afterwards (one through a
+  view made from its address, as a pool of pinned pieces makes) is an error, and the block is
+  poisoned.
 - Copies. Device-to-host into pinned memory and host-to-device from pinned memory with
   ``non_blocking=True`` are queued and touch host memory when they run; into or from
   pageable memory they are staged (host-to-device) or blocking (device-to-host), as in CUDA.

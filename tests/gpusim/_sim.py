@@ -203,6 +203,22 @@ class _Allocation:
         self.recorded: set[SimStream] = set()
 
 
+class _PinnedBlock:
+    """Page-locked host memory from the simulated host allocator, and the queued copies that
+    recorded themselves on it (as CUDA's caching host allocator records an event for a copy
+    made through the allocation's own storage, and reuses the block only after it)."""
+
+    __slots__ = ("freed", "nbytes", "pending", "start", "storage")
+
+    def __init__(self, start: int, nbytes: int, storage: int) -> None:
+        self.start = start
+        self.nbytes = nbytes
+        self.storage = storage
+        """``_cdata`` of the storage the allocator handed out: copies through it record."""
+        self.freed = False
+        self.pending: list[tuple[SimStream, int]] = []
+
+
 def _elem(
     alloc_backing: torch.Tensor, dtype: torch.dtype, size: Any, stride: Any, offset: int
 ) -> torch.Tensor:
@@ -286,6 +302,7 @@ class Simulator:
         self.streams: dict[tuple[int, int], SimStream] = {}
         self.held: set[SimStream] = set()
         self.pinned: list[tuple[int, int, Any]] = []
+        self.pinned_blocks: list[_PinnedBlock] = []
         self.by_storage: dict[int, weakref.ref[_Allocation]] = {}
         self._by_backing: dict[int, weakref.ref[_Allocation]] = {}
         self.rng = random.Random(0)
@@ -414,7 +431,8 @@ class Simulator:
         """Raise if the race checker saw an access not ordered after the one before it."""
         if self.errors:
             raise SimulationError(
-                f"{len(self.errors)} unsynchronized accesses; the first:\n{self.errors[0]}"
+                f"{len(self.errors)} unordered accesses or accesses to freed memory; the first:"
+                f"\n{self.errors[0]}"
             )
 
     # -- memory
@@ -479,24 +497,81 @@ class Simulator:
         return self.tensor_on(self.allocate(device, nbytes), dtype, size, stride, offset)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
-        """Page-locked host memory: page-aligned, poisoned, kept for the simulator's life."""
-        m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        t = (
-            torch.frombuffer(m, dtype=torch.uint8, count=nbytes)
-            if nbytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
+        """Page-locked host memory: page-aligned and poisoned.
+
+        Its mapping stays for the simulator's life (a queued copy holds it by address), but
+        when its storage dies the block counts as freed, as the caching host allocator would
+        hand it to the next ``pin_memory`` caller: it is poisoned once the copies recorded on
+        it have run, and any other queued copy that touches it later is an error.
+        """
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # The storage holds this array, not the map: its death is the block's free.
+        exported = (ctypes.c_uint8 * nbytes).from_buffer(m)
+        t = torch.frombuffer(exported, dtype=torch.uint8)
         t.fill_(_POISON)
+        block = _PinnedBlock(t.data_ptr(), nbytes, t.untyped_storage()._cdata)
+        weakref.finalize(exported, self._free_pinned, block)
+        del exported
         with self.lock:
-            if nbytes:
-                self.pinned.append((t.data_ptr(), nbytes, m))
+            self.pinned.append((block.start, nbytes, m))
+            self.pinned_blocks.append(block)
         return t
 
-    def is_pinned(self, t: torch.Tensor) -> bool:
+    def _free_pinned(self, block: _PinnedBlock) -> None:
+        if _active is not self:
+            return
+        with self.lock:
+            block.freed = True
+            block.pending = [(s, p) for s, p in block.pending if s.base < p]
+            if not block.pending:
+                self._poison_pinned(block)
+
+    def _poison_pinned(self, block: _PinnedBlock) -> None:
+        ctypes.memset(block.start, _POISON, block.nbytes)
+
+    def pinned_block(self, t: torch.Tensor) -> _PinnedBlock | None:
+        """The pinned block under ``t``, freed or not, or None for pageable memory."""
         if t.device.type != "cpu" or t.numel() == 0:
-            return False
+            return None
         p = t.data_ptr()
-        return any(start <= p < start + n for start, n, _ in self.pinned)
+        return next((b for b in self.pinned_blocks if b.start <= p < b.start + b.nbytes), None)
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        block = self.pinned_block(t)
+        return block is not None and not block.freed
+
+    def _pinned_copy(
+        self, stream: SimStream, name: str, host: torch.Tensor, copy: Callable[[], None]
+    ) -> Callable[[], None]:
+        """``copy``, a queued copy to or from pinned ``host``, checked when it runs: its block
+        must not have been freed since, unless the copy recorded itself on the block (made
+        through the allocation's own storage), which makes the allocator wait for it."""
+        block = self.pinned_block(host)
+        assert block is not None
+        recorded = host.untyped_storage()._cdata == block.storage
+        at = host.data_ptr()
+
+        def run() -> None:
+            if block.freed and not recorded:
+                self.errors.append(
+                    f"{name} on stream {stream.stream_id} touched pinned memory at {at:#x} "
+                    "after its block was freed: the host allocator may have handed it to "
+                    "another tensor"
+                )
+            copy()
+            if recorded:
+                block.pending = [(s, p) for s, p in block.pending if s.base < p]
+                if block.freed and not block.pending:
+                    self._poison_pinned(block)
+
+        return run
+
+    def _record_pinned(self, stream: SimStream, host: torch.Tensor) -> None:
+        block = self.pinned_block(host)
+        if block is not None and host.untyped_storage()._cdata == block.storage:
+            block.pending.append((stream, stream.end))
 
     # -- dispatch of aten ops on simulated tensors
 
@@ -669,9 +744,9 @@ class Simulator:
                 # bit runs on the host before the bytes land, so it is lost.
                 raw = s.conj() if s.is_conj() else s
                 raw = raw._neg_view() if raw.is_neg() else raw
-                self.launch(
-                    stream, "copy d2h", lambda: d.copy_(raw), {src._alloc.id}, {dst.data_ptr()}
-                )
+                run = self._pinned_copy(stream, "copy d2h", dst, lambda: d.copy_(raw))
+                self.launch(stream, "copy d2h", run, {src._alloc.id}, {dst.data_ptr()})
+                self._record_pinned(stream, dst)
             else:
                 self.launch(stream, "copy d2h (blocking)", lambda: dst.copy_(s), {src._alloc.id})
                 self.force(stream, stream.end)
@@ -682,7 +757,9 @@ class Simulator:
         d = dst._elem
         if non_blocking and self.is_pinned(src):
             s = _alias(src)
-            self.launch(stream, "copy h2d", lambda: d.copy_(s), {src.data_ptr()}, {dst._alloc.id})
+            run = self._pinned_copy(stream, "copy h2d", src, lambda: d.copy_(s))
+            self.launch(stream, "copy h2d", run, {src.data_ptr()}, {dst._alloc.id})
+            self._record_pinned(stream, src)
         else:
             snap = src.clone()  # a pageable source is staged before the call returns
             self.launch(stream, "copy h2d (staged)", lambda: d.copy_(snap), set(), {dst._alloc.id})

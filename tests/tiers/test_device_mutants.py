@@ -23,6 +23,7 @@ import pytest
 import tierstore
 from mutants import ROOT, Edit, Mutant, apply
 from tierstore.tiers import _device
+from tierstore.tiers._pinned import PinnedPool
 
 from .test_device_sim import SCENARIOS, session
 
@@ -185,3 +186,26 @@ def test_every_mutant_still_applies_to_the_source(tmp_path: Path) -> None:
         (tmp_path / _DEVICE).write_text((ROOT / _DEVICE).read_text())
         apply(gm.mutant, tmp_path)
         assert gm.scenario in SCENARIOS
+
+
+def test_the_simulator_fails_a_close_that_leaves_copies_from_pinned_pieces_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mutant of the close, outside ``_device``: tear-down no longer waits for the copies
+    still reading the pinned pool's pieces, which then go back to the host allocator while a
+    copy reads them."""
+    monkeypatch.setattr(PinnedPool, "synchronize", lambda self: None)
+    caught: dict[str, str] = {}
+    for schedule in ("lazy", "eager"):
+        (tmp_path / schedule).mkdir()
+        try:
+            with session(schedule, tmp_path / schedule) as env:
+                SCENARIOS["store_dropped_after_close_with_uploads_nobody_took"](
+                    env, "cuda:1", "strided"
+                )
+        except gpusim.Unsupported as exc:
+            pytest.skip(str(exc))
+        except AssertionError as exc:
+            caught[schedule] = str(exc)
+    assert set(caught) == {"lazy", "eager"}, f"survived: caught only {caught}"
+    assert all("touched pinned memory" in why for why in caught.values()), caught

@@ -325,6 +325,20 @@ def close_with_fetched_uploads_nobody_took(env: Env, device: str, layout: str) -
     assert torch.equal(on_host(after), torch.full((48, 40), 7.0))
 
 
+def store_dropped_after_close_with_uploads_nobody_took(env: Env, device: str, layout: str) -> None:
+    """A store dropped right after its close, with tensors fetched back for gets that never
+    came: its pinned pool goes back to the host allocator with it, and the copies up from its
+    pieces hold them by address only (torch records no event for a view made from an
+    address), so close waits for those copies first."""
+    store, hs = three_fetched(env, device, layout)
+    store.close()
+    env.made.remove(store)
+    del store, hs
+    gc.collect()  # the pool, and with it the pinned pieces, die here
+    after = torch.full((48, 40), 7.0, device=device)
+    assert torch.equal(on_host(after), torch.full((48, 40), 7.0))
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -337,6 +351,7 @@ SCENARIOS = {
         device_tier_get_on_another_stream,
         put_from_a_side_stream,
         close_with_fetched_uploads_nobody_took,
+        store_dropped_after_close_with_uploads_nobody_took,
     )
 }
 
