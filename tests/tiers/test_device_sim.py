@@ -9,6 +9,7 @@ come contiguous and strided.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import threading
@@ -969,6 +970,33 @@ def test_an_upload_released_while_its_fetch_ends_is_discarded(
     store.prefetch([h])
     del h
     wait_for(lambda: store.stats().live_entries == 0 and settled(store))
+    gc.collect(1)
+    after = torch.full((48, 40), 7.0, device="cuda:0")
+    assert torch.equal(on_host(after), torch.full((48, 40), 7.0))
+
+
+def test_uploads_made_before_a_cancelled_read_of_their_batch_are_discarded(env: Env) -> None:
+    """A batch of fetches whose engine answers one read as cancelled (an engine's own close
+    cancelling its reads) ends there, after the uploads of the entries read before it were
+    queued: those uploads nobody takes must be discarded (their memory's stream waits for the
+    copy), or the next tensor allocated there is written by the copy still running."""
+    from tierstore.testing import install_faults
+
+    store = env.store("disk")
+    faulty = install_faults(store)
+    real_read_many = faulty.read_many
+    made = [produced("cuda:0", "contiguous", seed=20 + i) for i in range(2)]
+    hs = [store.put(t) for t, _ in made]
+    del made
+    assert all(rests(store, h) is Tier.DISK for h in hs)
+
+    async def first_read_then_cancelled(requests: Any) -> list[BaseException | None]:
+        first = await real_read_many(requests[:1])
+        return [*first, *(asyncio.CancelledError() for _ in requests[1:])]
+
+    faulty.read_many = first_read_then_cancelled  # type: ignore[method-assign]
+    store.prefetch(hs)
+    wait_for(lambda: faulty.reads >= 1 and settled(store))
     gc.collect(1)
     after = torch.full((48, 40), 7.0, device="cuda:0")
     assert torch.equal(on_host(after), torch.full((48, 40), 7.0))

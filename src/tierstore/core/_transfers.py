@@ -283,7 +283,11 @@ class Transfers:
         for e in live:
             err = read_error.get(e.key)
             if err is not None and not isinstance(err, Exception):
-                raise err  # cancelled at close
+                # Cancelled at close: the uploads already queued are taken by nobody.
+                for _, out in results:
+                    if isinstance(out, torch.Tensor):
+                        discard(out)
+                raise err
             if err is not None:
                 results.append((e, err))
                 continue
