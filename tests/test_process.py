@@ -108,6 +108,34 @@ def test_directories_of_other_users_and_foreign_names_are_left_alone(disk_dir: P
         assert (d / "keep.txt").read_text() == "mine", d
 
 
+def test_a_dead_processs_directory_is_removed_where_flock_needs_a_writable_descriptor(
+    disk_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over NFS, Linux emulates flock with fcntl byte-range locks, and an exclusive one needs
+    a descriptor open for writing (EBADF otherwise): the sweep opened the lock file read-only,
+    so on NFS it warned at every start and never removed a dead process's directory."""
+    import errno
+    import fcntl
+
+    from tierstore import _spilldir
+
+    real_flock = fcntl.flock
+
+    def nfs_flock(fd: int, operation: int) -> None:
+        read_only = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        if operation & fcntl.LOCK_EX and read_only:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(_spilldir.fcntl, "flock", nfs_flock)
+    dead = disk_dir / f"{PREFIX}999999997-0badcafe"
+    dead.mkdir(mode=0o700)
+    (dead / ".lock").touch(mode=0o600)
+    (dead / "spill-0.bin").write_bytes(b"x" * 4096)
+    assert sweep_stale(disk_dir) == [dead]
+    assert not dead.exists()
+
+
 def test_exit_without_close_removes_the_directory(disk_dir: Path) -> None:
     _python(f"""
         import torch, tierstore

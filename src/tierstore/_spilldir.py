@@ -421,7 +421,7 @@ def _sweep(parent: Path) -> list[Path]:
 
 def _is_abandoned(path: Path) -> bool:
     try:
-        fd = _open_held(path / _LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = _open_lock_file(path / _LOCK)
     except FileNotFoundError:
         # Killed between mkdir and creating the lock: fall back to the PID in the name.
         return not _pid_alive(path.name)
@@ -439,6 +439,22 @@ def _is_abandoned(path: Path) -> bool:
         return True
     finally:
         _close_held(fd)
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open a spill directory's lock file to test it with an exclusive ``flock``.
+
+    Read-write where it can: over NFS, Linux emulates ``flock`` with ``fcntl`` byte-range
+    locks, and an exclusive one needs a descriptor open for writing (EBADF otherwise), so a
+    sweep there never found a dead process's directory. Read-only where writing is refused (a
+    read-only mount, another owner's file), as before.
+    """
+    try:
+        return _open_held(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+    return _open_held(path, os.O_RDONLY | os.O_NOFOLLOW)
 
 
 def _pid_alive(name: str) -> bool:
