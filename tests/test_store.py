@@ -616,6 +616,78 @@ def test_a_second_sweep_through_entries_already_got_prefetches_them_again(
     audit(store)
 
 
+def test_held_back_entries_are_not_fetched_ahead_and_a_get_still_returns_them(
+    make_store: MakeStore,
+) -> None:
+    """Note: [Held back]: the caller has some tensors at hand (a checkpoint's live inputs);
+    the walk brought every older entry back, and those copies sat in the window unread."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=64 * MiB)
+    # Packed, alone, and over two chunks of the raw engine.
+    sizes = [64 * 1024, 2 * MiB, 9 * MiB, 64 * 1024, 2 * MiB, 9 * MiB]
+    ts = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+    hs = [store.put(t) for t in ts]
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs))
+    held = {0, 2, 4}
+    store.hold_back([hs[i] for i in held])
+    for i in reversed(range(len(hs))):
+        if i not in held:
+            assert torch.equal(store.get(hs[i]), ts[i])
+        wait_for(lambda: TensorState.FETCHING not in map(store.state_of, hs))
+        assert all(store.state_of(hs[j]) is TensorState.DISK for j in held)
+    stats = store.stats()
+    assert stats.bytes_from_disk == sum(sizes[i] for i in range(len(hs)) if i not in held)
+    assert internals(store).window_bytes == 0
+    # A get still returns them, read on demand.
+    for i in sorted(held, reverse=True):
+        assert torch.equal(store.get(hs[i]), ts[i])
+    assert store.stats().bytes_from_disk == sum(sizes)
+    # Got, they were wanted after all: the next sweep brings them back ahead again.
+    store.get(hs[5])
+    wait_for(lambda: store.state_of(hs[4]) in (TensorState.FETCHED, TensorState.FETCHING))
+    audit(store)
+
+
+def test_holding_back_drops_a_copy_brought_back_and_one_still_being_read(
+    make_store: MakeStore,
+) -> None:
+    """Note: [Held back]: a copy already fetched is dropped at once, one whose read runs is
+    dropped when it lands; ``prefetch`` undoes the hold."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=64 * MiB)
+    faulty = install_faults(store)
+    ts = [torch.randn(3 * MiB // 4) for _ in range(2)]  # 3 MiB each
+    hs = [store.put(t) for t in ts]
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs))
+    store.prefetch(hs[:1])
+    wait_for(lambda: store.state_of(hs[0]) is TensorState.FETCHED)
+    faulty.read_delay = 0.3
+    store.prefetch(hs[1:])
+    assert store.state_of(hs[1]) is TensorState.FETCHING
+    store.hold_back(hs)
+    assert store.state_of(hs[0]) is TensorState.DISK
+    wait_for(lambda: store.state_of(hs[1]) is not TensorState.FETCHING)
+    assert store.state_of(hs[1]) is TensorState.DISK
+    assert internals(store).window_bytes == 0
+    faulty.read_delay = 0
+    store.prefetch(hs[:1])  # asked for again: the hold is off
+    wait_for(lambda: store.state_of(hs[0]) is TensorState.FETCHED)
+    for h, t in zip(hs, ts, strict=True):
+        assert torch.equal(store.get(h), t)
+    audit(store)
+
+
+def test_hold_back_refuses_what_prefetch_refuses(make_store: MakeStore) -> None:
+    store = make_store(device_bytes=0, host_bytes=0)
+    h, gone = store.put(torch.randn(1024)), store.put(torch.randn(1024))
+    store.release(gone)
+    with pytest.raises(TensorReleasedError):
+        store.hold_back([h, gone])
+    with pytest.raises(TypeError):
+        store.hold_back([object()])  # type: ignore[list-item]
+    store.close()
+    with pytest.raises(StoreClosedError):
+        store.hold_back([h])
+
+
 def test_a_sweep_with_repeated_gets_keeps_the_walk_linear(make_store: MakeStore) -> None:
     """Note: [Got once a sweep]: in a ``retain_graph`` backward a storage saved by several
     nodes is got once per node, and each such get begins a sweep. Restarting the walk at

@@ -208,6 +208,19 @@ class AsyncTieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         """
         self._bound().prefetch_now(handles)
 
+    async def hold_back(self, handles: Iterable[TensorHandle]) -> None:
+        """Do not bring these tensors back ahead of a get: the caller has them at hand. A
+        copy already brought back for them is dropped; a later :meth:`get` still returns
+        them (read on demand), and a :meth:`get` or :meth:`prefetch` of one undoes this.
+
+        Raises:
+            TypeError: one of ``handles`` is not a :class:`~tierstore.TensorHandle`.
+            TensorReleasedError: one was released, or is another store's; nothing is held
+                back then.
+            StoreClosedError: the store is closed.
+        """
+        self._bound().hold_back_now(handles)
+
     async def release(self, handle: TensorHandle) -> None:
         """Free the entry now instead of when the handle is garbage-collected (nothing after
         :meth:`close`, which released everything)."""

@@ -238,6 +238,20 @@ class TieredStore(ProcessBound):  # Note: [A copy of a store is the store]
         """
         self._live().prefetch_now(handles)
 
+    def hold_back(self, handles: Iterable[TensorHandle]) -> None:
+        """Do not bring these tensors back ahead of a get: the caller has them at hand (a
+        checkpoint input still alive at backward). A copy already brought back for them is
+        dropped; a later :meth:`get` still returns them (read on demand), and a :meth:`get`
+        or :meth:`prefetch` of one undoes this.
+
+        Raises:
+            TypeError: one of ``handles`` is not a :class:`~tierstore.TensorHandle`.
+            TensorReleasedError: one was released, or is another store's; nothing is held
+                back then.
+            StoreClosedError: the store is closed.
+        """
+        self._live().hold_back_now(handles)
+
     def release(self, handle: TensorHandle) -> None:
         """Free the entry now (also happens when the last reference to the handle goes);
         after :meth:`close`, which released everything, it does nothing. From a finalizer

@@ -57,6 +57,7 @@ from tierstore.adapters._reentry import (
     unwrap,
 )
 from tierstore.adapters._storage import Kept, Saved, StorageTable
+from tierstore.errors import StoreClosedError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator, Sequence
@@ -105,9 +106,16 @@ class _Input:
         self.requires_grad = requires_grad
         self.checked = checked
 
-    def get(self) -> torch.Tensor:
+    def at_hand(self) -> torch.Tensor | None:
+        """The input object itself, if it is alive and the recompute may use it as it is."""
         alive = self.saved.source()
         if alive is not None and (not self.checked or alive._version == self.saved.version):
+            return alive
+        return None
+
+    def get(self) -> torch.Tensor:
+        alive = self.at_hand()
+        if alive is not None:
             # The object itself, its memory in use anyway; nothing to fetch.
             self.saved.stored.count_unpacked(self.saved)
             return alive
@@ -179,6 +187,8 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
         # The checkpoint run just before this one on this thread into this store: backward
         # recomputes in reverse, so its inputs are needed next.
         self.prev: weakref.ref[_StoreFrame] | None = None
+        self.held_back = False
+        """Its inputs at hand were held back in the store (Note: [Held back])."""
         if not _FRAME_READS_INPUTS:
             self.input_saver = _InputSaver(self)
 
@@ -239,6 +249,7 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
 
     def get_inputs(self) -> list[Any]:
         previous = self.prev() if self.prev is not None else None
+        self.hold_back_at_hand()  # before a get starts the store's walk
         if previous is not None:
             previous.prefetch()
         inputs: list[Any] = []
@@ -252,9 +263,35 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
         return inputs
 
     def prefetch(self) -> None:
-        handles = [a.saved.stored.handle for a in self.saved_args if isinstance(a, _Input)]
-        if handles:
-            self.store.prefetch(handles)
+        """Bring this frame's inputs back ahead of its recompute, but for those at hand."""
+        wanted = [
+            a.saved.stored.handle
+            for a in self.saved_args
+            if isinstance(a, _Input) and a.at_hand() is None
+        ]
+        if wanted:
+            self.store.prefetch(wanted)
+
+    def hold_back_at_hand(self) -> None:
+        """Keep the store from reading back the inputs that recomputes will take as the live
+        objects (Note: [Held back] in ``core/_prefetch.py``): this frame's and those of every
+        older frame of its chain not held back yet, so the first recompute of a backward
+        marks them all before its first get starts the store's walk, which runs ahead of the
+        frames' own prefetches."""
+        at_hand = []
+        frame: _StoreFrame | None = self
+        while frame is not None and not frame.held_back:
+            frame.held_back = True
+            at_hand += [
+                a.saved.stored.handle
+                for a in frame.saved_args
+                if isinstance(a, _Input) and a.at_hand() is not None
+            ]
+            frame = frame.prev() if frame.prev is not None else None
+        if at_hand:
+            # A hint: with the store closed, the live objects still serve the recompute.
+            with contextlib.suppress(StoreClosedError):
+                self.store.hold_back(at_hand)
 
 
 def _check_reentrant(use_reentrant: bool | None) -> None:

@@ -37,7 +37,7 @@ from tierstore.core._save_semaphore import SaveSemaphore
 from tierstore.core._steps import Steps
 from tierstore.core._transfers import Transfers
 from tierstore.errors import StoreClosedError, TensorReleasedError, TierFullError
-from tierstore.tiers._device import current_stream, hand_over, ready_event
+from tierstore.tiers._device import current_stream, discard, hand_over, ready_event
 from tierstore.tiers._pinned import PinnedPool
 from tierstore.tiers._readpool import SWEEP_KEEP_BYTES, ReadPool
 
@@ -336,6 +336,7 @@ class StoreCore:
                 if lowest is not None and lowest < e.key:
                     self.walk.restart()
             e.got_in = self.sweep
+            e.held_back = False  # asked for after all: later sweeps bring it back ahead
             self.walk.cursor = e.key
             result = read_now(self, e)
             self.plan_prefetch()
@@ -401,10 +402,31 @@ class StoreCore:
             self._check_open()
             self.drain_dropped()
             wanted = [self.handles.lookup(self.table.entries, h) for h in handles]
+            for e in wanted:
+                e.held_back = False
             budget = self.config.prefetch_bytes - self.table.window
             sizes = ((e.key, e.nbytes) for e in wanted if e.needs_fetch())
             for key in newest_first_within(sizes, budget, self.table.window == 0):
                 self.start_fetch(self.table.entries[key])
+
+    def hold_back_now(self, handles: Iterable[TensorHandle]) -> None:
+        """Leave these entries where they rest until a get asks for them; drop the copies
+        brought back ahead for them (Note: [Held back])."""
+        with self.lock:
+            self._check_open()
+            self.drain_dropped()
+            held = [self.handles.lookup(self.table.entries, h) for h in handles]
+            for e in held:
+                e.held_back = True
+                self.drop_prefetched(e)
+            self.plan_prefetch()  # the window room they held goes to others
+
+    def drop_prefetched(self, e: Entry) -> None:
+        """Drop the copy of a held-back entry brought back ahead, if no get waits for it."""
+        if e.held_back and e.state is S.FETCHED and e.fetch_future is None:
+            assert e.fetched is not None
+            discard(e.fetched)  # an upload nobody took (Note: [Copy ordering on an accelerator])
+            self.consume(e)
 
     def plan_prefetch(self) -> None:
         """Bring back the entries just older than the cursor, newest first (Note: [Resumable
@@ -431,6 +453,8 @@ class StoreCore:
         and a restart at each of those gets rescanned the window (not linear).
         """
         e = self.table.entries[key]
+        if e.held_back:
+            return None
         if e.got_in == self.sweep:
             if self._lowest_passed_got is None or key < self._lowest_passed_got:
                 self._lowest_passed_got = key

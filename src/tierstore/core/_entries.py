@@ -50,6 +50,7 @@ class Entry:
         "fetched",
         "got_in",
         "handle_ref",
+        "held_back",
         "host",
         "kept",
         "key",
@@ -96,6 +97,9 @@ class Entry:
         """The fetch in flight was begun by prefetch, not by a get."""
         self.got_in = -1
         """The backward sweep whose get last asked for it (Note: [Got once a sweep])."""
+        self.held_back = False
+        """The caller has this tensor at hand: not brought back ahead of a get (Note: [Held
+        back])."""
         self.ready: Any = None
         """On an accelerator, the event put recorded on the caller's stream."""
         self.stream: Any = None

@@ -34,6 +34,18 @@ Note: [An entry on its way down]
     (a spill's or a copy's end runs the walk); the walk itself still resumes where it
     stopped. (Resuming at such an entry instead rescanned the whole window at every get
     while its spill ran.)
+
+Note: [Held back]
+    The walk brings back every older entry, but a caller may have some of those tensors at
+    hand: a checkpoint's input that is still alive at backward (a mask or position table
+    handed to every layer, an input the caller keeps) is given to the recompute as the live
+    object, and a copy read back for it is taken by nobody. It held window room and a read
+    buffer until its release, at the end of backward, and cost a read for nothing (a 4-D
+    attention mask of a long sequence is hundreds of MiB, read when the window reaches the
+    first layer, just as the last layer inputs are needed). ``hold_back`` marks such entries:
+    the walk passes over them, a copy already brought back (with no get waiting on it) is
+    dropped, and one whose read is running is dropped when it lands. A get still returns the
+    tensor, read on demand, and clears the mark, as an explicit ``prefetch`` does.
 """
 
 from __future__ import annotations

@@ -336,6 +336,8 @@ class Transfers:
             if fut is not None:
                 ready.append((fut, out))
                 answered = e.key if answered is None else min(answered, e.key)
+            else:
+                core.drop_prefetched(e)  # held back while its read ran (Note: [Held back])
         return ready, answered
 
     def _read_buffer(self, e: Entry) -> tuple[torch.Tensor, torch.Tensor]:

@@ -138,6 +138,13 @@ class StoreInternals:
         return self._core.walk.steps
 
     @property
+    def window_bytes(self) -> int:
+        """Bytes of the copies fetched or being fetched ahead of gets (the prefetch window)."""
+        core = self._core
+        with core.lock:
+            return core.table.window
+
+    @property
     def deleting_bytes(self) -> int:
         """Spill bytes of released entries whose delete has not run yet."""
         return self._core.disk.deleting
