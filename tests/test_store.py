@@ -688,6 +688,37 @@ def test_hold_back_refuses_what_prefetch_refuses(make_store: MakeStore) -> None:
         store.hold_back([h])
 
 
+def test_an_entry_released_while_its_read_ends_keeps_no_bytes(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Released after its disk read finished but before the outcome is recorded: the copy
+    read back is dropped with the entry (recorded as fetched, it stayed counted on its tier
+    for good, and the fetch task died on an illegal transition)."""
+    from tierstore.core import _transfers
+
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=8 * MiB)
+    h = store.put(torch.randn(3 * MiB // 4))  # 3 MiB: read alone, over a chunk
+    box = [h]
+    wait_for(lambda: store.tier_of(box[0]) is Tier.DISK and settled(store))
+    real = _transfers.Transfers._fetched
+
+    def fetched_then_released(self: Any, *args: Any) -> Any:
+        out = real(self, *args)
+        internals(store)._core.release(box.pop())  # on the loop thread, before the record
+        return out
+
+    monkeypatch.setattr(_transfers.Transfers, "_fetched", fetched_then_released)
+    store.prefetch([h])
+    del h
+
+    def empty() -> bool:
+        st = store.stats()
+        return st.live_entries == 0 and st.device.bytes == st.host.bytes == st.disk.bytes == 0
+
+    wait_for(empty, timeout=5, what="every tier empty after the release")
+    audit(store)
+
+
 def test_a_sweep_with_repeated_gets_keeps_the_walk_linear(make_store: MakeStore) -> None:
     """Note: [Got once a sweep]: in a ``retain_graph`` backward a storage saved by several
     nodes is got once per node, and each such get begins a sweep. Restarting the walk at

@@ -212,6 +212,29 @@ def test_tensors_sharing_a_storage_are_stored_once(store_factory: StoreFactory) 
     assert stats_once_released(store).live_entries == 0
 
 
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_a_storage_written_between_two_saves_is_stored_again(
+    store_factory: StoreFactory, tier: str
+) -> None:
+    """One storage saved, written in place, then saved again by a second graph (the first
+    never run back, as torch allows): the second save is matched to the first entry only at
+    the same version, or it reads back the bytes from before the write, silently where the
+    store holds a copy of its own (the disk tier)."""
+    torch.manual_seed(0)
+    w = torch.randn(1 << 20, requires_grad=True)  # 4 MiB
+    x = torch.randn(1 << 20)  # needs no grad: the product saves it for w's gradient
+    want = x * 2
+    store = store_factory(tier)
+    with tierstore.offload_activations(store, min_bytes=0):
+        first = (w * x).sum()
+        wait_for(lambda: settled(store))  # x's bytes rest where the tier keeps them
+        x.mul_(2)
+        second = (w * x).sum()  # saves x again, at its new version
+    second.backward()
+    assert w.grad is not None and torch.equal(w.grad, want)
+    del first, second
+
+
 def test_a_storage_saved_by_several_nodes_is_read_once(store_factory: StoreFactory) -> None:
     """Note: [Read once for every record]: separate q, k and v projections each save their
     common input; backward frees each node's tensor before the next node unpacks, so a weak

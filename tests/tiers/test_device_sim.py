@@ -970,6 +970,8 @@ def test_an_upload_released_while_its_fetch_ends_is_discarded(
     store.prefetch([h])
     del h
     wait_for(lambda: store.stats().live_entries == 0 and settled(store))
+    stats = store.stats()
+    assert stats.device.bytes == stats.host.bytes == stats.disk.bytes == 0, stats
     gc.collect(1)
     after = torch.full((48, 40), 7.0, device="cuda:0")
     assert torch.equal(on_host(after), torch.full((48, 40), 7.0))

@@ -56,6 +56,16 @@ class TestRawEngineStriped(TestRawEngine):
     n_dirs = 2
 
 
+class TestRawEngineBuffered(TestRawEngine):
+    """Everything again through the page cache (``direct_io="off"``), as on a filesystem
+    without O_DIRECT: its own write and read paths, checksums included, which the runs above
+    take only where O_DIRECT is refused."""
+
+    @pytest.fixture
+    def config(self) -> StoreConfig:
+        return StoreConfig.from_env({}, io_chunk_bytes=CHUNK, io_threads=4, direct_io="off")
+
+
 async def test_open_engine_picks_raw_by_default(tmp_path: Path) -> None:
     engine = open_engine(make_dirs(tmp_path, 1), StoreConfig.from_env({}))
     assert isinstance(engine, RawEngine)
