@@ -681,6 +681,25 @@ def test_parameters_buffers_and_small_tensors_stay_and_are_counted(
     assert m.lin.weight.grad is not None
 
 
+def test_an_expanded_tensor_counts_the_bytes_of_its_storage(store_factory: StoreFactory) -> None:
+    """A 16 MiB ``expand`` of a 4 KiB row: its storage is what would move, under
+    ``min_bytes``. It was put and then kept by the store, so the step said "offloaded 0 B,
+    skipped nothing", and the block that offloaded nothing did not warn."""
+    store = store_factory("disk", min_bytes=1 << 20)
+    w = torch.randn(4096, 1024, requires_grad=True)
+    row = torch.randn(1, 1024)
+    with (
+        pytest.warns(RuntimeWarning, match="stored nothing"),
+        tierstore.offload_activations(store),
+    ):
+        loss = (w * row.expand(4096, 1024)).sum()  # mul saves the expanded row for w
+    stats = store.stats()
+    assert stats.puts == 0
+    assert stats.skipped_bytes["below_min_bytes"] == row.nbytes
+    loss.backward()
+    assert w.grad is not None and torch.equal(w.grad, row.expand(4096, 1024))
+
+
 def test_min_bytes_defaults_to_the_stores(store_factory: StoreFactory) -> None:
     store = store_factory("disk", min_bytes=1 << 20)
     x = torch.randn(64, 64, requires_grad=True)

@@ -415,6 +415,11 @@ class StorageTable:
         if storage.nbytes() % plain.element_size():
             store.note_skipped(UNSUPPORTED, nbytes)
             return None
+        if storage.nbytes() < min_bytes:
+            # Bigger than it holds (``expand``): what would move is its storage, which the
+            # store would keep where it is; counted as small, so the summary says so.
+            store.note_skipped(SMALL, storage.nbytes())
+            return None
         ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
         # A DTensor's in-place operations bump its own version, not its shard's (the shard is
         # written below autograd): both must match for the bytes to be the stored ones.
