@@ -57,7 +57,7 @@ from tierstore.adapters._reentry import (
     unwrap,
 )
 from tierstore.adapters._storage import Kept, Saved, StorageTable
-from tierstore.errors import StoreClosedError
+from tierstore.errors import StoreClosedError, TensorReleasedError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator, Sequence
@@ -289,8 +289,9 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
             ]
             frame = frame.prev() if frame.prev is not None else None
         if at_hand:
-            # A hint: with the store closed, the live objects still serve the recompute.
-            with contextlib.suppress(StoreClosedError):
+            # A hint: with the store closed, or its handles gone (in a forked child), the live
+            # objects still serve the recompute; a get of a dead one raises as before.
+            with contextlib.suppress(StoreClosedError, TensorReleasedError):
                 self.store.hold_back(at_hand)
 
 
