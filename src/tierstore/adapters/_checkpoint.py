@@ -275,9 +275,9 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
     def hold_back_at_hand(self) -> None:
         """Keep the store from reading back the inputs that recomputes will take as the live
         objects (Note: [Held back] in ``core/_prefetch.py``): this frame's and those of every
-        older frame of its chain not held back yet, so the first recompute of a backward
-        marks them all before its first get starts the store's walk, which runs ahead of the
-        frames' own prefetches."""
+        older frame of its chain not held back yet: the chain's first recompute marks them
+        all before its first get starts the store's walk, which runs ahead of the frames' own
+        prefetches, and the marks last for a retained graph's next backward."""
         at_hand = []
         frame: _StoreFrame | None = self
         while frame is not None and not frame.held_back:
