@@ -21,6 +21,12 @@ def test_every_round_is_measured_and_its_tensors_come_back(tmp_path: Path) -> No
     assert [r for r, *_ in rounds] == ["0", "1", "2"]
     assert all(float(w) > 0 and float(r) > 0 for _, w, r in rounds)
     assert "steady write CPU-s/GB" in proc.stdout and "of 2)" in proc.stdout
+    by_thread = (
+        r"^steady write CPU-s/GB by thread \(totals of 2 rounds\): "
+        r"caller [\d.]+, loop [\d.]+, I/O threads [\d.]+, other [\d.]+$"
+    )
+    split = re.search(by_thread, proc.stdout, re.M)
+    assert split is not None, proc.stdout
     assert list(tmp_path.iterdir()) == []  # the store's directory is gone
 
 
