@@ -223,3 +223,32 @@ def test_a_block_that_saves_nothing_warns(make_store: Any) -> None:
         tierstore.no_offload(),
     ):
         x.exp().sum()
+
+
+def test_a_step_that_holds_less_than_an_earlier_one_leaves_the_stores_peak(
+    make_store: Any,
+) -> None:
+    """``peak_bytes`` is the most a tier ever held: a later step that rises above its own
+    start, but not to the earlier peak, does not lower it."""
+    store = make_store(device_bytes=0, host_bytes=16 * MiB)
+    hs = [store.put(_mib(i)) for i in range(3)]
+    for h in hs[1:]:
+        store.release(h)
+    store.end_step()
+    store.put(_mib(3))  # the host tier holds 2 MiB: the step's peak, not the store's
+    assert store.stats().host.peak_bytes == 3 * MiB
+    audit(store)
+
+
+def test_an_entry_read_back_from_disk_is_offloaded_once(make_store: Any) -> None:
+    """Note: [Off the device]: ``bytes_offloaded`` counts each entry's move off the device
+    once; the copy a get read back from disk leaving again is no second move."""
+    store = make_store(device_bytes=0, host_bytes=0)
+    t = _mib(1)
+    h = store.put(t)
+    wait_for(lambda: store.tier_of(h) is tierstore.Tier.DISK)
+    assert torch.equal(store.get(h), t)
+    wait_for(lambda: settled(store))
+    st = store.stats()
+    assert st.bytes_offloaded == MiB and st.off_device_bytes == MiB
+    audit(store)

@@ -1845,3 +1845,44 @@ def test_a_drain_that_raises_does_not_end_the_polling(
         while any(k in core.table.entries for k in keys) and time.monotonic() < deadline:
             time.sleep(0.01)  # no store call: only the poll releases them
     assert not any(k in core.table.entries for k in keys)
+
+
+def _one_fetched_ahead(make_store: MakeStore) -> tuple[TieredStore, list[Any], list[Any]]:
+    """Four 1 MiB tensors on disk, a 1 MiB window: the get of the newest brings the next one
+    back ahead, and the walk stops at the one after it."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=MiB)
+    ts = [torch.full((MiB // 4,), float(i)) for i in range(4)]
+    hs = [store.put(t) for t in ts]
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in hs))
+    assert torch.equal(store.get(hs[3]), ts[3])
+    wait_for(lambda: store.state_of(hs[2]) is TensorState.FETCHED and settled(store))
+    assert store.state_of(hs[1]) is TensorState.DISK  # no room left in the window
+    return store, hs, ts
+
+
+def test_holding_back_a_copy_brought_back_gives_its_window_room_to_the_next(
+    make_store: MakeStore,
+) -> None:
+    """Note: [Held back]: the room a dropped copy held goes to the entries the walk stopped
+    at, at once, not at the next get."""
+    store, hs, ts = _one_fetched_ahead(make_store)
+    store.hold_back([hs[2]])
+    assert store.state_of(hs[2]) is TensorState.DISK
+    # Nothing but states is asked from here on.
+    wait_for(lambda: store.state_of(hs[1]) is TensorState.FETCHED, what="hs[1] fetched ahead")
+    for h, t in zip(reversed(hs[:3]), reversed(ts[:3]), strict=True):
+        assert torch.equal(store.get(h), t)
+    audit(store)
+
+
+def test_releasing_a_copy_brought_back_gives_its_window_room_to_the_next(
+    make_store: MakeStore,
+) -> None:
+    """The room a released entry's fetched copy held goes to the entries the walk stopped
+    at, at once, not at the next get."""
+    store, hs, ts = _one_fetched_ahead(make_store)
+    store.release(hs[2])
+    wait_for(lambda: store.state_of(hs[1]) is TensorState.FETCHED, what="hs[1] fetched ahead")
+    for h, t in zip(reversed(hs[:2]), reversed(ts[:2]), strict=True):
+        assert torch.equal(store.get(h), t)
+    audit(store)

@@ -105,3 +105,18 @@ def test_buffers_of_a_compiled_module_stay(store_factory: StoreFactory) -> None:
     assert stats.bytes_put == 256 * KiB  # x
     loss.backward()
     assert x.grad is not None
+
+
+def test_a_buffer_of_exactly_min_bytes_stays(store_factory: StoreFactory) -> None:
+    """A tensor of ``min_bytes`` is big enough to store, so one that could be a buffer starts
+    the walk that finds the buffers: a buffer of exactly ``min_bytes`` stays in place too."""
+    store = store_factory("disk", min_bytes=256 * KiB)  # the buffer's size
+    model = Outer()
+    x = torch.randn(256, 256, requires_grad=True)
+    with tierstore.offload_activations(store):
+        loss = model(x).sum()
+    stats = store.stats()
+    assert stats.skipped_bytes["parameter_or_buffer"] == 3 * 256 * KiB
+    assert stats.bytes_put == 256 * KiB  # x
+    loss.backward()
+    assert x.grad is not None

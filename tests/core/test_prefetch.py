@@ -183,3 +183,21 @@ def test_a_cursor_moving_up_with_no_room_keeps_the_walk_in_place() -> None:
         walk.cursor = cursor
         fetched.update(walk.plan(keys, size, budget=1))
     assert walk.steps < 1000
+
+
+def test_an_entry_on_its_way_down_that_the_cursor_reached_is_not_fetched_ahead() -> None:
+    """Note: [An entry on its way down]: of the entries the walk passed on their way down,
+    those the cursor has reached are dropped, the cursor's own included: its get came first
+    and reads it itself, so fetching it ahead would read it twice."""
+    keys = list(range(1, 11))
+    sizes: dict[int, int] = dict.fromkeys(range(1, 9), 10)
+    sizes[9] = PENDING
+    walk = PrefetchWalk()
+    walk.cursor = 10
+    assert walk.plan(keys, _sizes(sizes), budget=1000) == [8, 7, 6, 5, 4, 3, 2, 1]
+    for key in range(1, 9):
+        del sizes[key]  # fetching
+    sizes[9] = 10  # its spill ended: on disk now
+    walk.cursor = 9  # and backward asked for it first
+    assert walk.plan(keys, _sizes(sizes), budget=1000) == []
+    assert walk.exhausted

@@ -571,3 +571,59 @@ def test_released_before_its_read_starts_is_never_read(make_store: MakeStore) ->
     wait_for(lambda: store.stats().disk.bytes == 0 and faulty.deletes == 3)
     assert faulty.reads == 0
     audit(store)
+
+
+def test_a_put_that_fits_the_device_tier_is_admitted_while_the_disk_is_paused(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [Room for a put]: a put that fits in ``device_bytes`` rests on its device and
+    moves nothing down, so it is admitted even while the host tier is past its capacity
+    (a spill failed) and the disk tier is paused: one that fits exactly too."""
+    monkeypatch.setattr(disk_room, "RETRY_SECONDS", 600.0)  # the pause outlasts the test
+    n = 256 * 1024 // 4  # 256 KiB of float32
+    store = make_store(device_bytes=4 * n, host_bytes=2 * 4 * n)
+    faulty = install_faults(store)
+    faulty.fail_writes(errno.EIO)
+    hs = [store.put(_pattern(n, i)) for i in range(4)]  # the oldest spill fails
+    wait_for(lambda: faulty.failed_writes >= 1 and settled(store), what="a failed write")
+    st = store.stats()
+    assert st.host.bytes == 3 * 4 * n and not st.disk_available  # past the host tier
+    store.release(hs.pop())  # the device tier is empty
+    t = _pattern(n, 9)
+    h = store.put(t)  # exactly device_bytes: it rests on its device
+    assert store.state_of(h) is TensorState.DEVICE
+    assert torch.equal(store.get(h), t)
+    audit(store)
+
+
+def test_seconds_from_disk_count_the_time_the_reads_take(make_store: MakeStore) -> None:
+    """``stats().seconds_from_disk`` is the time spent reading back from disk: a read the
+    engine holds for half a second counts at least that."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    faulty = install_faults(store)
+    t = _pattern(MiB // 4, 1)
+    h = store.put(t)
+    wait_for(lambda: store.state_of(h) is TensorState.DISK and settled(store), what="on disk")
+    faulty.read_delay = 0.5
+    assert torch.equal(store.get(h), t)
+    st = store.stats()
+    assert st.bytes_from_disk == MiB and st.seconds_from_disk >= 0.5
+    audit(store)
+
+
+def test_a_failed_read_moves_no_bytes_from_disk(make_store: MakeStore) -> None:
+    """``stats().bytes_from_disk`` counts what was read back: a read that failed read
+    nothing, and the one that succeeds after it counts once."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    faulty = install_faults(store)
+    t = _pattern(MiB // 4, 2)
+    h = store.put(t)
+    wait_for(lambda: store.state_of(h) is TensorState.DISK and settled(store), what="on disk")
+    faulty.fail_reads(errno.EIO, times=1)
+    with pytest.raises(SpillIOError):
+        store.get(h)
+    st = store.stats()
+    assert st.read_errors == 1 and st.bytes_from_disk == 0
+    assert torch.equal(store.get(h), t)  # the entry stayed on disk: the retry works
+    assert store.stats().bytes_from_disk == MiB
+    audit(store)

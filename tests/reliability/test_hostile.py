@@ -1028,3 +1028,24 @@ def test_a_spill_directory_removed_under_a_running_store_keeps_spilling(
         assert torch.equal(store.get(h), t)
     stats = store.stats()
     assert stats.write_errors == 0 and stats.disk_available
+
+
+def test_a_refused_view_leaves_nothing_in_the_device_tiers_totals(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [A failed host copy keeps nothing]: the put undone leaves no count, byte or peak
+    in the stats, the device tier's totals included."""
+    from tierstore.core import _moves as moves
+
+    def compact(t: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(moves, "compact", compact)
+    store = make_store(device_bytes=0)
+    base = torch.randn(8000)
+    with pytest.raises(tierstore.TierFullError):
+        store.put(base[::2])
+    st = store.stats()
+    assert (st.puts, st.bytes_put, st.live_entries) == (0, 0, 0)
+    assert (st.device.total_entries, st.device.total_bytes, st.device.peak_bytes) == (0, 0, 0)
+    audit(store)

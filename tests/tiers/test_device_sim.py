@@ -1002,3 +1002,29 @@ def test_uploads_made_before_a_cancelled_read_of_their_batch_are_discarded(env: 
     gc.collect(1)
     after = torch.full((48, 40), 7.0, device="cuda:0")
     assert torch.equal(on_host(after), torch.full((48, 40), 7.0))
+
+
+def test_a_put_behind_copies_paused_for_long_does_not_wait_for_them(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Note: [The save semaphore]: only a move in flight wakes a waiting put. While copies
+    are paused after a failed one, a plan blocked behind copies it did not start has none in
+    flight, so the put must go on at once. (The test above passes even when such a put
+    waits, because its pause is shorter than the store's timeout; here the pause outlasts
+    the timeout.)"""
+    from tierstore.core import _transfers
+
+    async def refused(src: torch.Tensor, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("pinned and pageable memory both refused")
+
+    monkeypatch.setattr(_transfers, "copy_to_host", refused)
+    monkeypatch.setattr(_transfers, "COPY_RETRY_SECONDS", 600.0)  # paused for the whole test
+    first, want = produced("cuda:0", "contiguous", seed=60)
+    nbytes = first.numel() * first.element_size()
+    store = env.store("host", max_inflight_bytes=nbytes, timeout=3)
+    h1 = store.put(first)
+    assert rests(store, h1) is Tier.DEVICE  # its copy failed; copies are paused
+    h2 = store.put(produced("cuda:0", "contiguous", seed=61)[0])  # no StoreTimeoutError
+    assert store.stats().inflight_bytes == 0
+    assert rests(store, h2) is Tier.DEVICE and rests(store, h1) is Tier.DEVICE
+    assert torch.equal(on_host(store.get(h1)), want)
