@@ -13,7 +13,7 @@ from concurrent.futures import thread as cf_thread
 import pytest
 import torch
 
-from tierstore.tiers._on_thread import on_thread, outlive_cancel
+from tierstore.tiers._on_thread import on_thread, on_threads, outlive_cancel
 
 
 @pytest.fixture
@@ -80,3 +80,52 @@ async def test_outlive_cancel_waits_for_the_thread_then_raises_cancelled(outcome
         with pytest.raises(asyncio.CancelledError):
             await task
         assert done.is_set()
+
+
+@pytest.mark.usefixtures("slow_workers")
+async def test_many_calls_end_in_one_future_that_holds_nothing_of_their_arguments() -> None:
+    """Note: [One wake-up a blob]: a blob's chunks end in one future, each call's exception
+    in its place, none of the tensors held once it is done."""
+
+    def fill(x: torch.Tensor, value: float) -> None:
+        if value == 2.0:
+            raise OSError(5, "chunk 2 failed")
+        x.fill_(value)
+
+    with ThreadPoolExecutor(4) as pool:
+        ts = [torch.zeros(1024) for _ in range(4)]
+        seen = [weakref.ref(t) for t in ts]
+        fut = on_threads(pool, fill, [(t, float(i)) for i, t in enumerate(ts)])
+        del ts
+        errors = await fut
+        assert [type(e) for e in errors] == [type(None), type(None), OSError, type(None)]
+        # The failed call's tensor lives on in its traceback.
+        assert [s() is None for s in seen] == [True, True, False, True]
+
+
+async def test_calls_on_a_pool_shut_down_end_with_its_error_and_none_hangs() -> None:
+    pool = ThreadPoolExecutor(1)
+    pool.shutdown()
+    errors = await asyncio.wait_for(on_threads(pool, print, [(1,), (2,)]), 5)
+    assert all(isinstance(e, RuntimeError) for e in errors)
+    assert await on_threads(pool, print, []) == []
+
+
+async def test_one_future_waits_for_every_call_when_cancelled() -> None:
+    gate = threading.Event()
+    ended: list[int] = []
+
+    def work(i: int) -> None:
+        gate.wait(10)
+        ended.append(i)
+
+    with ThreadPoolExecutor(2) as pool:
+        task = asyncio.ensure_future(outlive_cancel(on_threads(pool, work, [(0,), (1,), (2,)])))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.sleep(0.01)
+        assert not task.done()  # the threads still run
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert sorted(ended) == [0, 1, 2]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from concurrent.futures import Executor
 
-__all__ = ["on_thread", "outlive_cancel"]
+__all__ = ["on_thread", "on_threads", "outlive_cancel"]
 
 
 T = TypeVar("T")
@@ -29,6 +31,60 @@ def on_thread(pool: Executor, fn: Callable[..., T], *args: Any) -> asyncio.Futur
         ``fn`` raises still holds them through its traceback while it lives).
     """
     return asyncio.get_running_loop().run_in_executor(pool, _Call(fn, args))
+
+
+def on_threads(
+    pool: Executor, fn: Callable[..., object], calls: list[tuple[Any, ...]]
+) -> asyncio.Future[list[BaseException | None]]:
+    """Run ``fn(*args)`` for each ``args`` of ``calls`` on ``pool``'s threads; one future,
+    done once every call has ended, with each call's exception (None: it returned). Nothing of
+    the arguments is held once the future is done (Note: [A finished transfer holds no
+    memory]).
+
+    Note: [One wake-up a blob]
+        A blob's chunks ran as one executor future each, gathered: every chunk that ended
+        woke the event loop, which took the GIL from the I/O threads to chain the futures'
+        states and count the gather down. The loop spent 0.04 CPU-s/GB on steady writes of
+        16 MiB tensors (two chunks each) and 0.02 on 256 MiB ones (32), a third of a write's
+        CPU at 16 MiB. Here the threads count down under a lock, and only the last wakes the
+        loop.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[list[BaseException | None]] = loop.create_future()
+    errors: list[BaseException | None] = [None] * len(calls)
+    if not calls:
+        done.set_result(errors)
+        return done
+    lock = threading.Lock()
+    left = [len(calls)]
+
+    def finish() -> None:
+        if not done.cancelled():
+            done.set_result(errors)
+
+    def ended(i: int, exc: BaseException | None) -> None:
+        errors[i] = exc
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(finish)
+
+    def run(i: int, call: _Call) -> None:
+        try:
+            call()
+        except BaseException as exc:
+            ended(i, exc)
+        else:
+            ended(i, None)
+
+    for i, args in enumerate(calls):
+        try:
+            pool.submit(run, i, _Call(fn, args))
+        except BaseException as exc:  # the pool is shut down: this call never runs
+            ended(i, exc)
+    return done
 
 
 class _Call:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tierstore.errors import ConfigError, CorruptTensorError
 from tierstore.tiers._checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
 from tierstore.tiers._engine import DiskEngine, WriteRequest, check_bytes, is_bytes
-from tierstore.tiers._on_thread import on_thread, outlive_cancel
+from tierstore.tiers._on_thread import on_threads, outlive_cancel
 from tierstore.tiers.raw._chunk_io import ChunkIO
 from tierstore.tiers.raw._layout import LEAD_ALIGN, Blob, PackedBlob
 from tierstore.tiers.raw._packs import PackItem, Packs, ReadItem, Waiter, all_done
@@ -370,18 +370,18 @@ class RawEngine(DiskEngine):
         # numpy shares the tensor's memory; an empty tensor gives an empty view.
         # Note: [A spill's source cannot be freed]
         view = t.numpy().data.cast("B")
-        # Note: [A finished transfer holds no memory]
-        futures = [
-            on_thread(self._pool, fn, blob, i, view, address, t) for i in range(len(blob.chunks))
-        ]
-        if not futures:
+        # Note: [A finished transfer holds no memory] and Note: [One wake-up a blob]
+        calls = [(blob, i, view, address, t) for i in range(len(blob.chunks))]
+        del view
+        if not calls:
             return
         # Wait for every chunk even when one fails or the caller is cancelled: the extents may
         # be freed, and the tensor reused, only once no thread still touches them.
-        results = await outlive_cancel(asyncio.gather(*futures, return_exceptions=True))
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        errors = await outlive_cancel(on_threads(self._pool, fn, calls))
+        del calls
+        for exc in errors:
+            if exc is not None:
+                raise exc
 
     def _check_open(self) -> None:
         if self._closed:
