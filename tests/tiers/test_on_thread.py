@@ -4,6 +4,7 @@ memory]), and a transfer's waiter cancelled while its thread runs."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 import weakref
@@ -129,3 +130,58 @@ async def test_one_future_waits_for_every_call_when_cancelled() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert sorted(ended) == [0, 1, 2]
+
+
+async def test_a_call_whose_submit_failed_after_queuing_it_never_runs() -> None:
+    """``ThreadPoolExecutor.submit`` queues the call, then starts a thread, which can fail
+    ("can't start new thread"): counted as failed at once, the call must not run later, when
+    the space of its blob may belong to another. Both the failure and a late run counted it,
+    so the future was done while calls still ran."""
+    running, ran_after = [0], []
+    gate = threading.Event()
+
+    def work(i: int) -> None:
+        running[0] += 1
+        gate.wait(5)
+        time.sleep(0.1)
+        if fut.done():
+            ran_after.append(i)
+        running[0] -= 1
+
+    with ThreadPoolExecutor(4) as pool:
+        pool.submit(lambda: None).result()  # one thread up, idle
+        real = pool._adjust_thread_count  # type: ignore[attr-defined]
+
+        def cannot_start_a_thread() -> None:
+            raise RuntimeError("can't start new thread")
+
+        pool._adjust_thread_count = cannot_start_a_thread  # type: ignore[attr-defined]
+        fut = on_threads(pool, work, [(0,), (1,), (2,)])
+        pool._adjust_thread_count = real  # type: ignore[attr-defined]
+        gate.set()
+        errors = await asyncio.wait_for(fut, 5)
+        assert running[0] == 0, "done while calls still ran"
+        time.sleep(0.2)  # a late run would show now
+        assert ran_after == []
+        assert all(e is None or isinstance(e, RuntimeError) for e in errors)
+
+
+async def test_a_failed_calls_arguments_are_not_kept_in_a_cycle() -> None:
+    """The error's traceback holds the countdown's frame: had the countdown kept the list of
+    errors, the failed call's tensor would live on in a cycle until the collector ran."""
+
+    def fails(x: torch.Tensor) -> None:
+        raise OSError(5, "the write failed")
+
+    gc.disable()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            t = torch.zeros(1024)
+            seen = weakref.ref(t)
+            errors = await on_threads(pool, fails, [(t,)])
+            assert isinstance(errors[0], OSError)
+            del t, errors
+            await asyncio.sleep(0.05)
+            assert seen() is None
+    finally:
+        gc.enable()

@@ -44,47 +44,82 @@ def on_threads(
     Note: [One wake-up a blob]
         A blob's chunks ran as one executor future each, gathered: every chunk that ended
         woke the event loop, which took the GIL from the I/O threads to chain the futures'
-        states and count the gather down. The loop spent 0.04 CPU-s/GB on steady writes of
-        16 MiB tensors (two chunks each) and 0.02 on 256 MiB ones (32), a third of a write's
-        CPU at 16 MiB. Here the threads count down under a lock, and only the last wakes the
-        loop.
+        states and count the gather down. Here the threads count down under a lock, and only
+        the last wakes the loop: on steady writes of 256 MiB tensors (32 chunks each) the
+        loop's CPU fell from 0.020-0.023 to 0.004 CPU-s/GB (docs/performance.md, "CPU per
+        byte"). A call whose submit fails is counted as failed then, and never runs: a
+        submit can fail after queuing it (a thread that cannot start), and a call run after
+        the future was done would write into space freed for another blob.
     """
     loop = asyncio.get_running_loop()
     done: asyncio.Future[list[BaseException | None]] = loop.create_future()
-    errors: list[BaseException | None] = [None] * len(calls)
-    if not calls:
-        done.set_result(errors)
-        return done
-    lock = threading.Lock()
-    left = [len(calls)]
+    countdown = _Countdown(loop, done, len(calls))
+    for i, args in enumerate(calls):
+        call = _Call(fn, args)
+        try:
+            pool.submit(countdown.run, i, call)
+        except BaseException as exc:
+            # Not queued (the pool is shut down), or queued and then failed (a thread that
+            # could not start): it must not run later, once the blob's space may be reused.
+            if countdown.claim(i):
+                call.fn, call.args = None, ()
+                countdown.ended(i, exc)
+    return done
 
-    def finish() -> None:
-        if not done.cancelled():
-            done.set_result(errors)
 
-    def ended(i: int, exc: BaseException | None) -> None:
-        errors[i] = exc
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(finish)
+class _Countdown:
+    """The calls of one :func:`on_threads` still running, and their outcomes so far."""
 
-    def run(i: int, call: _Call) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        done: asyncio.Future[list[BaseException | None]],
+        n: int,
+    ) -> None:
+        self._loop = loop
+        self._done: asyncio.Future[list[BaseException | None]] | None = done
+        self._errors: list[BaseException | None] | None = [None] * n
+        self._claimed = [False] * n
+        self._left = n
+        self._lock = threading.Lock()
+        if not n:
+            self._finish()
+
+    def claim(self, i: int) -> bool:
+        """Whether call ``i`` is this caller's to run or to count (only the first asks)."""
+        with self._lock:
+            first = not self._claimed[i]
+            self._claimed[i] = True
+        return first
+
+    def run(self, i: int, call: _Call) -> None:
+        if not self.claim(i):
+            return  # its submit failed and counted it
         try:
             call()
         except BaseException as exc:
-            ended(i, exc)
+            self.ended(i, exc)
         else:
-            ended(i, None)
+            self.ended(i, None)
 
-    for i, args in enumerate(calls):
-        try:
-            pool.submit(run, i, _Call(fn, args))
-        except BaseException as exc:  # the pool is shut down: this call never runs
-            ended(i, exc)
-    return done
+    def ended(self, i: int, exc: BaseException | None) -> None:
+        with self._lock:
+            assert self._errors is not None
+            self._errors[i] = exc
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                self._loop.call_soon_threadsafe(self._finish)
+
+    def _finish(self) -> None:
+        # Handed over, not kept: an error's traceback holds a frame of ``run``, and with it
+        # this object, which would otherwise hold the error (and its call's arguments), in
+        # the list or in the future's result, in a cycle until the collector ran.
+        (done, self._done), (errors, self._errors) = (self._done, None), (self._errors, None)
+        assert done is not None and errors is not None
+        if not done.cancelled():
+            done.set_result(errors)
 
 
 class _Call:

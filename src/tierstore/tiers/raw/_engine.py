@@ -379,9 +379,13 @@ class RawEngine(DiskEngine):
         # be freed, and the tensor reused, only once no thread still touches them.
         errors = await outlive_cancel(on_threads(self._pool, fn, calls))
         del calls
-        for exc in errors:
-            if exc is not None:
-                raise exc
+        first = next((exc for exc in errors if exc is not None), None)
+        del errors
+        if first is not None:
+            try:
+                raise first
+            finally:
+                del first  # not kept by this frame, which its traceback holds
 
     def _check_open(self) -> None:
         if self._closed:
