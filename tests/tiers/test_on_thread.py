@@ -166,9 +166,11 @@ async def test_a_call_whose_submit_failed_after_queuing_it_never_runs() -> None:
         assert all(e is None or isinstance(e, RuntimeError) for e in errors)
 
 
-async def test_a_failed_calls_arguments_are_not_kept_in_a_cycle() -> None:
-    """The error's traceback holds the countdown's frame: had the countdown kept the list of
-    errors, the failed call's tensor would live on in a cycle until the collector ran."""
+@pytest.mark.parametrize("failure", ["call raises", "pool shut down"])
+async def test_a_failed_calls_arguments_are_not_kept_in_a_cycle(failure: str) -> None:
+    """The error's traceback holds the frame that caught it (the countdown's, or the one that
+    submitted): had that frame, or the countdown, kept the list of errors or the calls, the
+    tensors would live on in a cycle until the collector ran."""
 
     def fails(x: torch.Tensor) -> None:
         raise OSError(5, "the write failed")
@@ -176,10 +178,12 @@ async def test_a_failed_calls_arguments_are_not_kept_in_a_cycle() -> None:
     gc.disable()
     try:
         with ThreadPoolExecutor(1) as pool:
+            if failure == "pool shut down":
+                pool.shutdown()
             t = torch.zeros(1024)
             seen = weakref.ref(t)
             errors = await on_threads(pool, fails, [(t,)])
-            assert isinstance(errors[0], OSError)
+            assert isinstance(errors[0], OSError if failure == "call raises" else RuntimeError)
             del t, errors
             await asyncio.sleep(0.05)
             assert seen() is None

@@ -64,7 +64,12 @@ def on_threads(
             if countdown.claim(i):
                 call.fn, call.args = None, ()
                 countdown.ended(i, exc)
-    return done
+    try:
+        return done
+    finally:
+        # An error caught above holds this frame in its traceback, and the future its
+        # result: the frame must not keep the calls' arguments in that cycle.
+        del done, calls, countdown
 
 
 class _Countdown:
