@@ -62,6 +62,7 @@ from tierstore.errors import StoreClosedError, TensorReleasedError
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator, Sequence
 
+    from tierstore._handle import TensorHandle
     from tierstore._sync import TieredStore
 
 __all__ = ["checkpoint", "checkpoint_sequential"]
@@ -264,13 +265,17 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
 
     def prefetch(self) -> None:
         """Bring this frame's inputs back ahead of its recompute, but for those at hand."""
-        wanted = [
-            a.saved.stored.handle
-            for a in self.saved_args
-            if isinstance(a, _Input) and a.at_hand() is None
-        ]
+        wanted = self._stored_inputs(at_hand=False)
         if wanted:
             self.store.prefetch(wanted)
+
+    def _stored_inputs(self, *, at_hand: bool) -> list[TensorHandle]:
+        """The handles of this frame's inputs in the store that are, or are not, at hand."""
+        return [
+            a.saved.stored.handle
+            for a in self.saved_args
+            if isinstance(a, _Input) and (a.at_hand() is not None) == at_hand
+        ]
 
     def hold_back_at_hand(self) -> None:
         """Keep the store from reading back the inputs that recomputes will take as the live
@@ -278,15 +283,11 @@ class _StoreFrame(torch_checkpoint._CheckpointFrame):
         older frame of its chain not held back yet: the chain's first recompute marks them
         all before its first get starts the store's walk, which runs ahead of the frames' own
         prefetches, and the marks last for a retained graph's next backward."""
-        at_hand = []
+        at_hand: list[TensorHandle] = []
         frame: _StoreFrame | None = self
         while frame is not None and not frame.held_back:
             frame.held_back = True
-            at_hand += [
-                a.saved.stored.handle
-                for a in frame.saved_args
-                if isinstance(a, _Input) and a.at_hand() is not None
-            ]
+            at_hand += frame._stored_inputs(at_hand=True)
             frame = frame.prev() if frame.prev is not None else None
         if at_hand:
             # A hint: with the store closed, or its handles gone (in a forked child), the live

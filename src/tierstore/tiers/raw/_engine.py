@@ -372,20 +372,18 @@ class RawEngine(DiskEngine):
         view = t.numpy().data.cast("B")
         # Note: [A finished transfer holds no memory] and Note: [One wake-up a blob]
         calls = [(blob, i, view, address, t) for i in range(len(blob.chunks))]
-        del view
         if not calls:
             return
         # Wait for every chunk even when one fails or the caller is cancelled: the extents may
         # be freed, and the tensor reused, only once no thread still touches them.
         errors = await outlive_cancel(on_threads(self._pool, fn, calls))
-        del calls
         first = next((exc for exc in errors if exc is not None), None)
         del errors
         if first is not None:
             try:
                 raise first
             finally:
-                del first  # not kept by this frame, which its traceback holds
+                del first  # nor the error: its traceback holds this frame
 
     def _check_open(self) -> None:
         if self._closed:
