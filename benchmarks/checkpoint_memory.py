@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import tierstore
-from tierstore.bench._model import Decoder, PeakRSS
+from tierstore.bench._model import ATTENTION, Decoder, PeakRSS
 
 MiB = 1 << 20
 
@@ -40,7 +40,7 @@ MiB = 1 << 20
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = Decoder(args.vocab, args.dim, args.heads, args.layers, 0.0)
+    model = Decoder(args.vocab, args.dim, args.heads, args.layers, 0.0, args.attention)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
     store = None
@@ -109,6 +109,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--attention", choices=ATTENTION, default="explicit")
     parser.add_argument("--prefetch-bytes", type=int, default=32 * MiB)
     parser.add_argument("--disk-dir", default=None)
     parser.add_argument("--worker", choices=("torch_ckpt", "ts_ckpt"), help=argparse.SUPPRESS)

@@ -93,6 +93,52 @@ def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
     assert list(spill.iterdir()) == []
 
 
+def test_fused_attention_trains_bit_exact_in_every_checkpointing_mode(tmp_path: Path) -> None:
+    """``--attention sdpa``: the recomputes of both checkpoints and the disk tier give plain
+    training's gradients and final state."""
+    proc = run_bench(
+        tmp_path, "--attention", "sdpa", "--modes", "torch_ckpt,ts_disk,ts_ckpt", "--seq", "128"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in rows] == ["none", "torch_ckpt", "ts_disk", "ts_ckpt"]
+    assert {r["config"]["attention"] for r in rows} == {"sdpa"}
+    assert len({r["grads_sha256"] for r in rows}) == 1
+    assert len({r["final_state_sha256"] for r in rows}) == 1
+    for r in rows[2:]:
+        # Spills started: on a loaded machine a step this small may get a tensor back
+        # before its write ends, from host memory.
+        assert r["spilled_tensors_per_step"] > 0, r["mode"]
+
+
+def test_fused_attention_saves_no_attention_map() -> None:
+    """What ``sdpa`` is for: at a long sequence no seq x seq tensor is saved for backward
+    (the explicit block saves several), and a dropout on attention would bring them back."""
+    import pytest
+    import torch
+
+    from tierstore.bench._model import Block
+
+    x = torch.randn(1, 256, 32, requires_grad=True)
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+    for attention in ("explicit", "sdpa"):
+        saved: list[tuple[int, ...]] = []
+
+        def pack(t: torch.Tensor, saved: list[tuple[int, ...]] = saved) -> torch.Tensor:
+            saved.append(tuple(t.shape))
+            return t
+
+        torch.manual_seed(0)
+        block = Block(32, 2, 0.1, attention)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x).sum().backward()  # type: ignore[no-untyped-call]
+        shapes[attention] = saved
+    assert any(s[-2:] == (256, 256) for s in shapes["explicit"])
+    assert not any(s[-2:] == (256, 256) for s in shapes["sdpa"])
+    with pytest.raises(ValueError, match="attention='flash'"):
+        Block(32, 2, 0.0, "flash")
+
+
 def test_a_mode_with_wrong_gradients_is_refused(tmp_path: Path) -> None:
     """Corrupt what the store gives back (a sitecustomize in the children) and see it refused."""
     inject = tmp_path / "inject"

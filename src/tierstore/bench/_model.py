@@ -15,15 +15,27 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["Block", "Decoder", "PeakRSS", "saved_activation_bytes"]
+__all__ = ["ATTENTION", "Block", "Decoder", "PeakRSS", "saved_activation_bytes"]
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
+ATTENTION = ("explicit", "sdpa")
+"""How a block attends. ``explicit`` builds the causal attention map with its own ops, as the
+figures in docs/benchmarks.md were measured, and drops out of it: at a long sequence its
+seq x seq maps dominate the step's memory, and no saved-tensor hook sees the biggest of them.
+``sdpa`` calls ``scaled_dot_product_attention`` with ``is_causal``, a fused kernel that keeps
+no map (flash attention on the CPU and on CUDA), as long-context models train; it drops out
+of the residual branches only, since attention dropout sends torch back to the explicit
+maps."""
+
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+    def __init__(self, dim: int, heads: int, dropout: float, attention: str = "explicit") -> None:
         super().__init__()
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}: use one of {ATTENTION}")
         self.heads = heads
+        self.attention = attention
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
@@ -33,19 +45,30 @@ class Block(nn.Module):
         b, s, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
         q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        att = self.drop(att.masked_fill(~causal, float("-inf")).softmax(-1))
-        x = x + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, s, d)))
+        if self.attention == "sdpa":
+            mixed = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            mixed = self.drop(att.masked_fill(~causal, float("-inf")).softmax(-1)) @ v
+        x = x + self.drop(self.proj(mixed.transpose(1, 2).reshape(b, s, d)))
         out: torch.Tensor = x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.ln2(x)))))
         return out
 
 
 class Decoder(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, dropout: float) -> None:
+    def __init__(
+        self,
+        vocab: int,
+        dim: int,
+        heads: int,
+        layers: int,
+        dropout: float,
+        attention: str = "explicit",
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout, attention) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
 

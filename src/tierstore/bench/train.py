@@ -58,7 +58,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from tierstore.bench._model import Decoder, PeakRSS, saved_activation_bytes
+from tierstore.bench._model import ATTENTION, Decoder, PeakRSS, saved_activation_bytes
 from tierstore.config import parse_size
 
 __all__ = ["MODES", "Report", "main", "measure", "peak_measure", "table"]
@@ -122,7 +122,8 @@ def run_worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         # Deterministic mode would also fill every torch.empty, the store's buffers included.
         torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     torch.manual_seed(0)
-    model = Decoder(args.vocab, args.dim, args.heads, args.layers, args.dropout).to(device)
+    model = Decoder(args.vocab, args.dim, args.heads, args.layers, args.dropout, args.attention)
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=device)
     store = store_for(mode, args) if mode.startswith("ts_") else None
@@ -303,6 +304,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
     p.add_argument("--dropout", type=float, default=0.1, help="dropout probability")
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION,
+        default="explicit",
+        help="explicit: the causal map built with its own ops, dropout on it; sdpa: the fused "
+        "scaled_dot_product_attention, which keeps no map, as long-context models train",
+    )
     p.add_argument(
         "--warmup", type=int, default=2, help="untimed steps, at least 1: the checked step"
     )
