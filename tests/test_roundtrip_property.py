@@ -3,9 +3,10 @@
 Hypothesis draws a storage of up to 6 MiB that starts anywhere in a page (a multiple of its
 element size), a strided view of it (offset, step, 1-3 dimensions, transposed or not) or the
 whole storage, and a dtype, and puts it into one store per path: device and host tiers, the
-raw engine with O_DIRECT (2 MiB chunks, so big tensors cross chunk boundaries) and without,
-two striped directories, and zarr. Each get must return the exact bytes (NaN payloads
-included) and own exactly them (Note: [What get returns]).
+raw engine with O_DIRECT and without, two striped directories, and zarr, each with chunks of
+2 MiB (1 MiB striped), so that big tensors cross chunk boundaries on every disk path. Each
+get must return the exact bytes (NaN payloads included) and own exactly them (Note: [What get
+returns]).
 
 The store keeps a view of part of a storage as a compact copy (Note: [What get returns]),
 which lands wherever the allocator puts it; only a whole storage reaches the engine at its own
@@ -32,9 +33,9 @@ STORES: dict[str, dict[str, object]] = {
     "device": {"device_bytes": "unlimited"},
     "host": {"host_bytes": "unlimited"},
     "raw-direct": {"host_bytes": 0, "direct_io": "on", "io_chunk_bytes": "2MiB"},
-    "raw-buffered": {"host_bytes": 0, "direct_io": "off"},
+    "raw-buffered": {"host_bytes": 0, "direct_io": "off", "io_chunk_bytes": "2MiB"},
     "raw-striped": {"host_bytes": 0, "io_chunk_bytes": "1MiB", "stripes": 2},
-    "zarr": {"host_bytes": 0, "disk_format": "zarr"},
+    "zarr": {"host_bytes": 0, "disk_format": "zarr", "io_chunk_bytes": "2MiB"},
 }
 PATHS = {"device": Tier.DEVICE, "host": Tier.HOST}
 """Where each store's entries rest once settled; the others' on disk."""

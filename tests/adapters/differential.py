@@ -8,8 +8,8 @@ autograd saves in one step straddle every threshold of the data path:
   fused QKV output of the largest input is 24 MiB). The raw engine's chunks are 2 MiB, and
   1 MiB over the two striped directories, so that these sizes cross many chunk boundaries
   under both adapters: under ``checkpoint`` only the inputs are stored, the largest 8 MiB,
-  which the default 8 MiB chunk would write whole (the Hugging Face matrix keeps the
-  default);
+  which the default 8 MiB chunk writes whole but for its lead. ``disk-raw-default`` keeps
+  that default, so the 24 MiB blob crosses the chunk boundaries users' tensors do;
 - page positions: inputs whose storage starts 0, 64, 192 (an odd multiple of 64) and 4032 (a
   page minus 64) bytes past a page, so the raw engine writes them with each lead;
 - storage offsets: views at 64, 192 and 4032 bytes into their storage;
@@ -50,6 +50,7 @@ CONFIGS: dict[str, dict[str, object]] = {
     "device": {"device_bytes": "unlimited"},
     "host": {"host_bytes": "unlimited"},
     "tiny-host": {"host_bytes": "2MiB", "io_chunk_bytes": "2MiB"},
+    "disk-raw-default": {"host_bytes": 0},
     "disk-raw-direct": {"host_bytes": 0, "direct_io": "on", "io_chunk_bytes": "2MiB"},
     "disk-raw-buffered": {"host_bytes": 0, "direct_io": "off", "io_chunk_bytes": "2MiB"},
     "disk-zarr": {"host_bytes": 0, "disk_format": "zarr"},

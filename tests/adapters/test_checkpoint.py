@@ -147,9 +147,13 @@ def test_tensors_bound_in_a_partial_get_their_gradients(store_factory: StoreFact
     x = torch.randn(4, 16, requires_grad=True)
     (ex, ew) = torch.autograd.grad(fn(x, weight=w).sum(), [x, w])
     y = tierstore.checkpoint(functools.partial(fn, weight=w), x, store=store)
+    wait_for(lambda: settled(store))
+    assert store.stats().disk.entries == 2  # x, and the weight bound in the partial
     y.sum().backward()
     assert x.grad is not None and w.grad is not None
     assert torch.equal(x.grad, ex) and torch.equal(w.grad, ew)
+    # Both are still the caller's: the recompute takes them as they are, read nothing back.
+    assert store.stats().bytes_from_disk == 0
 
 
 def test_inputs_not_requiring_grad_still_train_the_parameters(

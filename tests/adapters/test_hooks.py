@@ -228,6 +228,8 @@ def test_a_storage_written_between_two_saves_is_stored_again(
     with tierstore.offload_activations(store, min_bytes=0):
         first = (w * x).sum()
         wait_for(lambda: settled(store))  # x's bytes rest where the tier keeps them
+        rest = store.stats().disk if tier == "disk" else store.stats().host
+        assert rest.entries == 1 and rest.bytes >= x.untyped_storage().nbytes()
         x.mul_(2)
         second = (w * x).sum()  # saves x again, at its new version
     second.backward()
@@ -533,9 +535,12 @@ def test_double_backward_with_create_graph(store_factory: StoreFactory) -> None:
     (expected,) = torch.autograd.grad(g.sum(), x)
     with tierstore.offload_activations(store):
         y = x.tanh().pow(3).sum()
+    wait_for(lambda: settled(store))
+    assert store.stats().disk.entries > 0  # what backward reads was on disk
     (g,) = torch.autograd.grad(y, x, create_graph=True)
     (got,) = torch.autograd.grad(g.sum(), x)
     assert torch.equal(got, expected)
+    assert store.stats().bytes_from_disk > 0
 
 
 @pytest.mark.parametrize("tier", TIERS)

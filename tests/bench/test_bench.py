@@ -166,9 +166,11 @@ def test_a_directory_that_refuses_o_direct_gives_no_limit_and_the_sweep_goes_on(
     """O_DIRECT refused (tmpfs before Linux 6.6, fio not installed) killed the sweep, and
     the README's main command with it."""
     import errno
+    import json
 
     from tierstore.bench import _disk as bench
     from tierstore.bench import _system
+    from tierstore.tiers.raw import DirectIOProbe
 
     def refused(*args: object, **kwargs: object) -> None:
         raise OSError(errno.EINVAL, "Invalid argument")
@@ -178,10 +180,19 @@ def test_a_directory_that_refuses_o_direct_gives_no_limit_and_the_sweep_goes_on(
     assert _system.measure_raw_limit(tmp_path, 4 << 20) is None
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setattr(bench, "MAX_TENSORS", 4)
-    argv = ["--sizes", "1MiB", "--total", "4MiB", "--repeats", "1"]
+    # The machine facts say so too, instead of claiming O_DIRECT.
+    monkeypatch.setattr(
+        "tierstore.tiers.raw.probe_direct_io",
+        lambda d: DirectIOProbe(str(d), False, "refused by the test"),
+    )
+    out = tmp_path.parent / f"{tmp_path.name}.json"
+    argv = ["--sizes", "1MiB", "--total", "4MiB", "--repeats", "1", "--json", str(out)]
     argv += ["--engines", "raw-limit,tierstore-raw", "--dir", str(tmp_path), "--no-progress"]
     assert bench.main(argv) == 0
     assert "no raw disk limit" in capsys.readouterr().err
+    machine = json.loads(out.read_text())["machine"]
+    assert machine["o_direct"] is False
+    assert machine["page_cache"].startswith("O_DIRECT is refused here (refused by the test)")
 
 
 def test_no_two_pages_of_the_benchmarks_tensors_are_alike_and_a_new_round_restamps() -> None:

@@ -290,8 +290,12 @@ def sweep(
             "raw_limit_tool": limits[0].tool if limits else None,
             "o_direct": probe.supported,
             "page_cache": (
-                "raw-limit and tierstore-raw use O_DIRECT (no page cache); " + cache.method
-            ),
+                "raw-limit and tierstore-raw use O_DIRECT (no page cache); "
+                if probe.supported
+                else f"O_DIRECT is refused here ({probe.reason}): the store writes through "
+                "the page cache and drops its pages; "
+            )
+            + cache.method,
             "total_bytes_per_measurement": total,
             "max_tensors_per_measurement": MAX_TENSORS,
             "repeats": repeats,
