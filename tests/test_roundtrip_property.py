@@ -5,8 +5,8 @@ element size), a strided view of it (offset, step, 1-3 dimensions, transposed or
 whole storage, and a dtype, and puts it into one store per path: device and host tiers, the
 raw engine with O_DIRECT and without, two striped directories, and zarr, each with chunks of
 2 MiB (1 MiB striped), so that big tensors cross chunk boundaries on every disk path. Each
-get must return the exact bytes (NaN payloads included) and own exactly them (Note: [What get
-returns]).
+get must return the exact bytes (NaN payloads included) and own exactly them
+(Note: [What get returns]).
 
 The store keeps a view of part of a storage as a compact copy (Note: [What get returns]),
 which lands wherever the allocator puts it; only a whole storage reaches the engine at its own
