@@ -89,7 +89,7 @@ def test_train_step_benchmark_smoke(tmp_path: Path) -> None:
     assert by_mode["ts_disk"]["spilled_tensors_per_step"] > 0
     assert by_mode["ts_host"]["spilled_tensors_per_step"] == 0
     assert by_mode["ts_host"]["bytes_to_disk_per_step"] == 0
-    assert "peak RSS MiB" in proc.stdout
+    assert "peak RSS MiB" in proc.stdout and "read back MiB/step" in proc.stdout
     assert list(spill.iterdir()) == []
 
 
@@ -239,14 +239,16 @@ def test_the_offloaded_checkpoint_saves_against_torchs_checkpoint() -> None:
         [
             row("none", 1000),
             row("torch_ckpt", 500),
-            row("ts_disk", 600, 500),
-            row("ts_ckpt", 468, 64),
+            row("ts_disk", 600, 500, bytes_from_disk_per_step=480),
+            row("ts_ckpt", 468, 64, bytes_from_disk_per_step=64),
         ]
     )
     lines = {line.split()[0]: line for line in text.splitlines()[2:]}
     assert lines["ts_disk"].endswith("80%")  # (1000 - 600) / 500
     assert lines["ts_ckpt"].endswith("50%")  # (500 - 468) / 64, not (1000 - 468) / 64
     assert lines["torch_ckpt"].endswith("-")
+    assert lines["ts_disk"].split()[-2:] == ["480", "80%"]  # read back from disk
+    assert lines["torch_ckpt"].split()[-2:] == ["-", "-"]
 
 
 def test_on_a_gpu_the_table_measures_the_gpus_peak() -> None:

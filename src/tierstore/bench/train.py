@@ -530,7 +530,8 @@ checkpoint moves only block inputs, so what it saves is what torch's checkpoint 
 
 def table(results: list[dict[str, Any]]) -> str:
     """The results as a text table; ``saved/offloaded`` is the peak memory a mode saves against
-    plain training (against torch's checkpoint for ``ts_ckpt``) per byte it offloads.
+    plain training (against torch's checkpoint for ``ts_ckpt``) per byte it offloads, and
+    ``read back`` what the store read from disk per step (``-`` for modes without a store).
 
     The peak is the process's RSS on the CPU and the GPU's peak allocation on CUDA, where
     offloading moves activations out of the GPU's memory into the host's. On CUDA a column
@@ -545,7 +546,7 @@ def table(results: list[dict[str, Any]]) -> str:
         f"{'mode':<12} {'step s':>8} {'x none':>7} {'CPU s':>7} {'x none':>7} "
         f"{peak_name:>13} {'vs none':>9} "
         + (f"{'fwd GPU MiB':>12} " if forward else "")
-        + f"{'offloaded MiB/step':>19} {'saved/offloaded':>16}"
+        + f"{'offloaded MiB/step':>19} {'read back MiB/step':>19} {'saved/offloaded':>16}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -553,6 +554,8 @@ def table(results: list[dict[str, Any]]) -> str:
         cpu_ratio = r["cpu_s_median"] / base["cpu_s_median"] if base else float("nan")
         delta = (r[peak] - base[peak]) / mib if base else float("nan")
         off = r.get("offloaded_bytes_per_step")
+        # From disk: a disk tier whose gets were served from memory shows it here.
+        read = r.get("bytes_from_disk_per_step")
         ref = by_mode.get(SAVED_AGAINST.get(r["mode"], "none"))
         saved = f"{(ref[peak] - r[peak]) / off:.0%}" if ref and off else "-"
         lines.append(
@@ -560,7 +563,9 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{r['cpu_s_median']:>7.2f} {cpu_ratio:>7.2f} "
             f"{r[peak] / mib:>13.0f} {delta:>+9.0f} "
             + (f"{r[FORWARD_PEAK] / mib:>12.0f} " if forward else "")
-            + f"{(off or 0) / mib:>19.0f} {saved:>16}"
+            + f"{(off or 0) / mib:>19.0f} "
+            + (f"{read / mib:>19.0f} " if read is not None else f"{'-':>19} ")
+            + f"{saved:>16}"
         )
     return "\n".join(lines)
 
