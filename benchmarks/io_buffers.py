@@ -7,7 +7,7 @@ threads (the raw engine's defaults), with the raw engine's ``os.pwrite``/``os.pr
 from and into these kinds of memory, the kinds alternating from repeat to repeat:
 
 - ``huge``: an anonymous mapping with ``MADV_HUGEPAGE``, touched once before timing, as the
-  store's read pool (``HostPool``) maps its buffers;
+  store's read pool (``ReadPool``) maps its buffers;
 - ``4k-one-thread``: 4 KiB pages, touched once by one thread before timing;
 - ``4k-io-threads``: 4 KiB pages, first touched by the I/O threads' reads in an untimed
   pass, as memory arrives that a transfer faults in;
