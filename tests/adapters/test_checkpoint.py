@@ -761,3 +761,102 @@ def test_a_checkpoint_under_torch_func_jvp_matches_torchs(store_factory: StoreFa
     assert store.stats().skipped.get("unsupported", 0) > 0
     with pytest.raises(tierstore.UnsupportedTensorError, match=r"torch\.func transform"):
         jvp(lambda a: store.put(a) and a, (x,), (v,))
+
+
+def _scaled(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor, *, scale: float) -> torch.Tensor:
+    return (a * x + b * scale).sin()
+
+
+def _named(p: functools.partial[torch.Tensor]) -> functools.partial[torch.Tensor]:
+    """A partial with attributes, which Python does not fold into an outer partial."""
+    functools.update_wrapper(p, _scaled)
+    return p
+
+
+@pytest.mark.parametrize(
+    "case", ["call-keyword-over-bound", "outer-keyword-over-inner", "nested-positional-order"]
+)
+def test_partials_bind_their_arguments_as_python_does(
+    store_factory: StoreFactory, case: str
+) -> None:
+    """The recompute binds what the forward bound: a keyword of the call wins over the
+    partial's, an outer partial's over an inner one's, and a nested partial's positional
+    arguments come first, innermost first. Bound the other way round, the forward and its
+    recompute, or both, compute something else, and the gradients are wrong without an error."""
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    a = torch.randn(1 << 16, requires_grad=True)
+    b = torch.randn(1 << 16, requires_grad=True)
+    x = torch.randn(1 << 16)
+    fn: Any
+    if case == "call-keyword-over-bound":
+        fn, args, kwargs = functools.partial(_scaled, scale=1.0), (a, b, x), {"scale": 2.0}
+    elif case == "outer-keyword-over-inner":
+        fn = functools.partial(_named(functools.partial(_scaled, scale=1.0)), scale=2.0)
+        args, kwargs = (a, b, x), {}
+    else:
+        fn, args, kwargs = functools.partial(_named(functools.partial(_scaled, a)), b), (x,), {}
+        kwargs = {"scale": 2.0}
+    expected_out = _scaled(a, b, x, scale=2.0)
+    expected = torch.autograd.grad(expected_out.sum(), [a, b])
+    out = tierstore.checkpoint(fn, *args, store=store, **kwargs)
+    assert torch.equal(out, expected_out)
+    assert_equal_tensors(list(expected), list(torch.autograd.grad(out.sum(), [a, b])))
+
+
+def test_a_small_input_kept_in_place_and_written_after_the_forward_raises(
+    store_factory: StoreFactory,
+) -> None:
+    """An input under ``min_bytes`` stays where it is, not stored; written in place after
+    the forward, the recompute would train on the new bytes. Torch's checkpoint raises, and
+    so must this one."""
+    store = store_factory("disk", min_bytes=1 << 20)
+    w = torch.randn(8, requires_grad=True)
+    x = torch.randn(8)  # 32 bytes
+    y = tierstore.checkpoint(lambda t: (t * w).sin(), x, store=store)
+    assert store.stats().skipped == {"below_min_bytes": 1}
+    x.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_one_tensor_passed_in_places_apart_is_that_tensor_in_the_recompute(
+    store_factory: StoreFactory,
+) -> None:
+    """``f(h, mask, h)``: the second ``h`` is the first one again in the recompute, not the
+    argument before it (an off-by-one there handed it ``mask``)."""
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    w = torch.randn(1 << 16, requires_grad=True)
+    h0 = torch.randn(1 << 16, requires_grad=True)
+    mask = torch.randn(1 << 16)
+
+    def f(q: torch.Tensor, m: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (q * w + k * m.exp()).sin()
+
+    def run(ck: Any) -> list[torch.Tensor]:
+        h = h0 * 1.0
+        out = ck(f, h, mask, h)
+        del h  # nothing but the store keeps it
+        return list(torch.autograd.grad(out.sum(), [w, h0]))
+
+    expected = run(lambda fn, *args: fn(*args))
+    got = run(lambda fn, *args: tierstore.checkpoint(fn, *args, store=store))
+    assert_equal_tensors(expected, got)
+    assert store.stats().puts == 2  # h once, and the mask
+
+
+def test_inputs_under_the_stores_min_bytes_stay_in_place_and_are_counted(
+    store_factory: StoreFactory,
+) -> None:
+    store = store_factory("host", min_bytes=1 << 20)
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16)  # 256 bytes
+    lin(x).sum().backward()
+    expected = grads(lin)
+    lin.zero_grad()
+    tierstore.checkpoint(lin, x, store=store).sum().backward()
+    assert_equal_tensors(expected, grads(lin))
+    stats = store.stats()
+    assert stats.puts == 0 and stats.skipped == {"below_min_bytes": 1}
