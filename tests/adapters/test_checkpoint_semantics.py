@@ -358,3 +358,233 @@ def test_use_reentrant_true_is_accepted_and_warns_once(store_factory: StoreFacto
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tierstore.checkpoint(torch.sin, x, store=store, use_reentrant=True).sum().backward()
+
+
+def test_backward_leaves_the_global_rng_where_plain_training_leaves_it(
+    store_factory: StoreFactory,
+) -> None:
+    """The recompute replays the forward's dropout draws from a forked RNG. A failure means the
+    backward rewound the global RNG to just after the checkpoint's draws, so the next step's
+    dropout (or a shuffle) repeats draws, as neither plain training nor torch's does."""
+    store = store_factory("disk")
+    drop = nn.Dropout(0.5)
+
+    def inside(t: torch.Tensor) -> torch.Tensor:
+        return drop(t).sin()
+
+    def next_draw(run: Any) -> torch.Tensor:
+        x = _input()
+        torch.manual_seed(0)
+        y = drop(run(inside, x * 2))  # dropout after the checkpoint too
+        y.sum().backward()
+        return torch.rand(4)
+
+    plain = next_draw(lambda fn, t: fn(t))
+    torchs = next_draw(lambda fn, t: torch_checkpoint(fn, t, use_reentrant=False))
+    ours = next_draw(lambda fn, t: tierstore.checkpoint(fn, t, store=store))
+    assert torch.equal(plain, torchs)
+    assert torch.equal(plain, ours)
+
+
+def _sin_then_cos(calls: list[str]) -> Any:
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        a = t.sin()
+        calls.append("sin")
+        b = a.cos()  # saves a, the last tensor the backward needs
+        calls.append("cos")
+        return b
+
+    return fn
+
+
+def test_torchs_global_early_stop_switch_is_obeyed(store_factory: StoreFactory) -> None:
+    """Under ``set_checkpoint_early_stop(False)`` torch's recompute runs the whole function. A
+    failure means tierstore's checkpoint ignored the global switch and stopped early."""
+    store = store_factory("disk")
+    ran: dict[str, list[str]] = {}
+    for name, run in (
+        ("torch", lambda fn, t: torch_checkpoint(fn, t, use_reentrant=False)),
+        ("tierstore", lambda fn, t: tierstore.checkpoint(fn, t, store=store)),
+    ):
+        calls: list[str] = []
+        x = _input()
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            y = run(_sin_then_cos(calls), x * 1)
+            calls.clear()
+            y.sum().backward()
+        ran[name] = calls
+        assert torch.equal(x.grad, -(x.detach().sin().sin()) * x.detach().cos())  # type: ignore[arg-type]
+    assert ran["torch"] == ran["tierstore"] == ["sin", "cos"]
+
+
+def test_torchs_global_debug_switch_is_obeyed(store_factory: StoreFactory) -> None:
+    """Under ``set_checkpoint_debug_enabled(True)`` a recompute that differs from the forward
+    raises with the operators each ran. A failure means tierstore's checkpoint ignored the global
+    switch: its error has no operator trace where torch's has one."""
+    store = store_factory("disk")
+
+    def shifty(t: torch.Tensor) -> torch.Tensor:
+        return t.sin() if not recompute else t.double().sin().float()
+
+    messages: dict[str, str] = {}
+    for name, run in (
+        ("torch", lambda fn, t: torch_checkpoint(fn, t, use_reentrant=False)),
+        ("tierstore", lambda fn, t: tierstore.checkpoint(fn, t, store=store)),
+    ):
+        recompute = False
+        with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):
+            y = run(shifty, _input() * 1)
+        recompute = True
+        with pytest.raises(CheckpointError) as err:
+            y.sum().backward()
+        messages[name] = str(err.value)
+    for name, message in messages.items():
+        assert "aten.sin" in message, f"{name}: no operator trace in {message!r}"
+
+
+def test_checkpoint_sequential_leaves_the_last_segment_unchecked(
+    store_factory: StoreFactory,
+) -> None:
+    """As torch's ``checkpoint_sequential``, the last segment runs as it is: its output is
+    needed by the backward at once. A failure means it was checkpointed too: one more entry
+    stored and its layers run again in the backward."""
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    layers = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(4)))
+    last_runs: list[str] = []
+    layers[3].register_forward_hook(lambda *_: last_runs.append("ran"))
+    x = _input()
+    torch_checkpoint_sequential(layers, 2, x * 1, use_reentrant=False).sum().backward()
+    expected = _grads(layers, x)
+    assert len(last_runs) == 1
+    layers.zero_grad()
+    x.grad = None
+    last_runs.clear()
+    y = tierstore.checkpoint_sequential(layers, 2, x * 1, store=store)
+    assert store.stats().puts == 1  # the first segment's input only
+    y.sum().backward()
+    assert len(last_runs) == 1
+    _same(expected, _grads(layers, x))
+
+
+def test_a_recompute_inside_the_same_functions_checkpointed_forward_keeps_it_marked(
+    store_factory: StoreFactory,
+) -> None:
+    """A gradient penalty on an earlier output of ``f``, computed inside ``f``: the recompute
+    of the earlier checkpoint of ``f`` runs while ``f`` runs under checkpoint again. A failure
+    (KeyError) means that recompute unmarked ``f``, which the running forward had marked."""
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    w = torch.randn(ROWS, WIDTH, requires_grad=True)
+    a, b = torch.randn(ROWS, WIDTH), torch.randn(ROWS, WIDTH)
+    earlier: list[torch.Tensor] = []
+    shifts: list[torch.Tensor] = []
+
+    def f(t: torch.Tensor, penalized: bool) -> torch.Tensor:
+        if penalized:
+            if earlier:  # the forward; its recompute reuses the shift
+                (g,) = torch.autograd.grad(earlier.pop().sum(), w)
+                shifts.append(g.detach())
+            t = t + shifts[-1]
+        return (t * w).sin()
+
+    def grad_of_w(run: Any) -> torch.Tensor:
+        earlier.append(run(f, a * 1, False))
+        run(f, b * 1, True).sum().backward()
+        assert w.grad is not None
+        got = w.grad.clone()
+        w.grad = None
+        return got
+
+    expected = grad_of_w(lambda fn, *args: fn(*args))
+    got = grad_of_w(lambda fn, *args: tierstore.checkpoint(fn, *args, store=store))
+    assert torch.equal(expected, got)
+
+
+class _NestedSelfCheckpointing(nn.Module):
+    """A layer that checkpoints itself as transformers' GradientCheckpointingLayer does, with
+    ``partial(<class forward>, self)``, and may hold another layer of its own class."""
+
+    def __init__(self, store: tierstore.TieredStore, inner: nn.Module | None = None) -> None:
+        super().__init__()
+        self.store = store
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x).relu()
+        return self.inner(h) if self.inner is not None else h
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        forward = functools.partial(_NestedSelfCheckpointing.forward, self)
+        return tierstore.checkpoint(forward, x, store=self.store)
+
+
+def test_a_layer_nested_in_one_of_its_own_class_is_checkpointed_too(
+    store_factory: StoreFactory,
+) -> None:
+    """``partial(Class.forward, layer)`` belongs to the layer, not to the class's function.
+    A failure means the inner layer ran directly, taken for the outer one running again."""
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    model = _NestedSelfCheckpointing(store, _NestedSelfCheckpointing(store))
+    x = _input()
+    inner = model.inner
+    assert isinstance(inner, _NestedSelfCheckpointing)
+    inner.lin(model.lin(x * 1).relu()).relu().sum().backward()
+    expected = _grads(model, x)
+    model.zero_grad()
+    x.grad = None
+    y = model(x * 1)
+    assert store.stats().puts == 2  # the outer layer's input and the inner layer's
+    with _from_disk(store):
+        y.sum().backward()
+    _same(expected, _grads(model, x))
+
+
+def test_checkpointing_a_child_inside_its_parents_forward_runs_the_child_itself(
+    store_factory: StoreFactory,
+) -> None:
+    """``checkpoint(self.layer, x)`` inside a parent's forward runs ``layer`` as called, as
+    torch's checkpoint does: its forward hooks and an instance forward (accelerate's hook
+    wrapper) included. A failure means the parent's running module call was taken for the
+    child's, and the class's forward ran without them."""
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    layer = nn.Linear(WIDTH, WIDTH)
+    class_forward = layer.forward
+    calls: list[str] = []
+
+    def instance_forward(t: torch.Tensor) -> torch.Tensor:
+        calls.append("instance forward")
+        return class_forward(t)
+
+    layer.forward = instance_forward  # type: ignore[method-assign]
+    layer.register_forward_hook(lambda *_: calls.append("forward hook"))
+
+    class Parent(nn.Module):
+        def __init__(self, run: Any) -> None:
+            super().__init__()
+            self.layer = layer
+            self.run = run
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.run(self.layer, t)
+            return out
+
+    seen: dict[str, list[str]] = {}
+    got: dict[str, list[torch.Tensor]] = {}
+    for name, run in (
+        ("torch", lambda fn, t: torch_checkpoint(fn, t, use_reentrant=False)),
+        ("tierstore", lambda fn, t: tierstore.checkpoint(fn, t, store=store)),
+    ):
+        calls.clear()
+        layer.zero_grad()
+        x = _input()
+        y = Parent(run)(x * 1)
+        assert calls == ["instance forward", "forward hook"], name
+        y.sum().backward()
+        seen[name] = list(calls)
+        got[name] = _grads(layer, x)
+    assert seen["tierstore"] == seen["torch"]
+    _same(got["torch"], got["tierstore"])

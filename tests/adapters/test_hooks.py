@@ -13,6 +13,7 @@ import statistics
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -1051,3 +1052,69 @@ def test_hooks_run_as_they_are_while_fx_traces(monkeypatch: pytest.MonkeyPatch) 
     assert hook(x) is x and through == ["disabled"]
     monkeypatch.setattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", True)
     assert hook(x) is x and through == ["disabled"]  # called directly this time
+
+
+@pytest.mark.parametrize("how", ["conj-imag", "neg-view"])
+def test_a_tensor_with_a_lazy_negative_bit_stays_in_place(
+    store_factory: StoreFactory, how: str
+) -> None:
+    """A lazy negative bit is not part of the bytes: such a tensor stays as it is and is counted
+    unsupported. A failure (a crash in the forward, or a gradient of the wrong sign) means it
+    was offloaded as its bytes."""
+    store = store_factory("disk")
+    torch.manual_seed(0)
+    w = torch.randn(1 << 18, requires_grad=True)
+    base = torch.randn(1 << 18, dtype=torch.complex64)
+
+    def negated() -> torch.Tensor:
+        n = base.conj().imag if how == "conj-imag" else torch._neg_view(base.real)
+        assert n.is_neg()
+        return n
+
+    (expected,) = torch.autograd.grad((negated() * w).sum(), w)
+    with (
+        pytest.warns(RuntimeWarning, match=r"stored nothing.*unsupported 1"),
+        tierstore.offload_activations(store),
+    ):
+        loss = (negated() * w).sum()  # mul saves the negated operand for w's gradient
+    stats = store.stats()
+    assert stats.puts == 0 and dict(stats.skipped) == {"unsupported": 1}
+    loss.backward()
+    assert w.grad is not None and torch.equal(w.grad, expected)
+
+
+def test_an_async_collective_tensor_is_waited_on_and_stored(
+    store_factory: StoreFactory, tmp_path: Path
+) -> None:
+    """A functional collective hands out an AsyncCollectiveTensor (a row-wise parallel layer's
+    output); any use of it waits. A failure means the saved one was refused as an unknown
+    subclass instead of being waited on and stored."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    import torch.distributed._functional_collectives as funcol
+
+    store = store_factory("disk")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        torch.manual_seed(0)
+        w = torch.randn(1 << 18, requires_grad=True)
+        a = torch.randn(1 << 18)
+        world = dist.group.WORLD
+        assert world is not None
+        with tierstore.offload_activations(store):
+            reduced = funcol.all_reduce(a, "sum", world)
+            assert type(reduced).__name__ == "AsyncCollectiveTensor"
+            loss = (reduced * w).sum()  # mul saves the collective's output for w's gradient
+        del reduced
+        stats = store.stats()
+        assert stats.puts == 1 and not stats.skipped
+        loss.backward()
+        assert w.grad is not None and torch.equal(w.grad, a)  # a sum over one rank is a
+    finally:
+        dist.destroy_process_group()
