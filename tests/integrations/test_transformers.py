@@ -164,6 +164,39 @@ def test_every_n_layers_stands_under_a_real_trainers_switch(
     assert store.stats().puts > 0
 
 
+def test_the_trainers_checkpointing_kwargs_reach_tierstores_checkpoint(
+    store: tierstore.TieredStore,
+) -> None:
+    """The Trainer passes its ``gradient_checkpointing_kwargs`` to the model's enable: they
+    must reach every call of :func:`tierstore.checkpoint`. Dropped, ``use_reentrant``,
+    ``preserve_rng_state`` or a selective-checkpointing ``context_fn`` were ignored silently."""
+    import contextlib
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (2, 24))
+    enable_offloaded_checkpointing(model, store)
+    contexts: list[int] = []
+
+    def counting_context_fn() -> tuple[Any, Any]:
+        contexts.append(1)
+        return contextlib.nullcontext(), contextlib.nullcontext()
+
+    kwargs = {"preserve_rng_state": False, "context_fn": counting_context_fn}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    for layer in model.model.layers:
+        func = layer._gradient_checkpointing_func
+        assert func.func is tierstore.checkpoint
+        assert func.keywords == {"store": store, **kwargs}
+    step_grads(model, ids, store)
+    assert len(contexts) == len(model.model.layers)  # one checkpointed forward per layer
+    assert store.stats().puts > 0
+    if HAS_ACTIVATION_NAMES:  # the new name takes them positionally, as the Trainer passes
+        model.activation_checkpointing_enable({"determinism_check": "none"})
+        func = model.model.layers[0]._gradient_checkpointing_func
+        assert func.keywords == {"store": store, "determinism_check": "none"}
+    turn_checkpointing_off(model)
+
+
 def test_a_deep_copy_checkpoints_into_the_same_store_and_switches_itself(
     store: tierstore.TieredStore,
 ) -> None:
@@ -175,6 +208,14 @@ def test_a_deep_copy_checkpoints_into_the_same_store_and_switches_itself(
     enable_offloaded_checkpointing(model, store)
     twin = copy.deepcopy(model)  # raised on the store's lock
     assert twin.model.layers[0]._gradient_checkpointing_func.keywords["store"] is store
+    # A Trainer on the copy switches it on again with the copy's own method, which must
+    # install the store the original was enabled with: a copied method that lost it put
+    # the default store on every layer, and this store received nothing.
+    name = "activation" if HAS_ACTIVATION_NAMES else "gradient"
+    getattr(twin, f"{name}_checkpointing_enable")()
+    for layer in twin.model.layers:
+        assert layer._gradient_checkpointing_func.func is tierstore.checkpoint
+        assert layer._gradient_checkpointing_func.keywords["store"] is store
     puts = store.stats().puts
     got = step_grads(twin, ids, store)
     assert store.stats().puts > puts
@@ -378,6 +419,61 @@ def test_the_callback_puts_the_stores_figures_into_the_logs(
         assert logs["tierstore/read_errors"] == logs["tierstore/write_errors"] == 0
 
 
+def test_the_callbacks_figures_are_per_step_since_the_last_training_log() -> None:
+    """The callback driven by hand as the Trainer drives it: a run resumed at global step 10,
+    logging every 2 steps, an evaluation log between, the store used before training began.
+    Each figure is per optimizer step since the last training log, the peak the highest of
+    those steps'. Wrong figures here meant: steps counted from 0 rather than from the last log
+    (a resumed run's figures divided by its global step), the bytes stored before
+    ``on_train_begin`` counted in the first log, a peak kept from an earlier log or taken
+    from the last step only, or an evaluation's log (no ``"loss"``) taking the figures and
+    leaving the next training log with nothing."""
+    import types
+
+    from tierstore.integrations.transformers import TierStoreCallback
+
+    mib = 1 << 20
+
+    def optimizer_step(store: tierstore.TieredStore, size_mib: int) -> None:
+        x = torch.randn(size_mib * mib // 4, requires_grad=True)
+        with tierstore.offload_activations(store):
+            y = x.sin().sum()  # saves x: size_mib MiB handed to the store
+        y.backward()
+
+    def in_mib(logs: dict[str, float]) -> dict[str, float]:
+        return {k.split("/")[1]: v * 1024 for k, v in logs.items() if k.endswith("_gib")}
+
+    with tierstore.TieredStore(host_bytes="64MiB", min_bytes=0) as store:
+        optimizer_step(store, 8)  # before training: an earlier run, an evaluation
+        store.end_step()
+        callback = TierStoreCallback(store)
+        state = types.SimpleNamespace(global_step=10, log_history=[])
+        callback.on_train_begin(None, state, None)
+        logged: list[dict[str, float]] = []
+        for step, size in zip(range(11, 15), (4, 2, 2, 2), strict=True):
+            optimizer_step(store, size)
+            state.global_step = step
+            callback.on_step_end(None, state, None)
+            if step == 13:  # an evaluation's log: no figures, and it takes none
+                evaluation = {"eval_loss": 1.0}
+                callback.on_log(None, state, None, logs=evaluation)
+                assert evaluation == {"eval_loss": 1.0}
+            if step % 2 == 0:
+                logs = {"loss": 1.0}
+                state.log_history.append({"loss": 1.0, "step": step})
+                callback.on_log(None, state, None, logs=logs)
+                assert state.log_history[-1] == {**logs, "step": step}
+                logged.append(logs)
+    # Steps 11-12 stored 4 and 2 MiB, steps 13-14 2 and 2: per step 3 then 2, peaks 4 then 2.
+    assert [in_mib(logs) for logs in logged] == [
+        {"offloaded_gib": 3.0, "host_gib": 3.0, "disk_gib": 0.0, "peak_off_device_gib": 4.0},
+        {"offloaded_gib": 2.0, "host_gib": 2.0, "disk_gib": 0.0, "peak_off_device_gib": 2.0},
+    ]
+    for logs in logged:
+        assert logs["tierstore/skipped_mib"] == 0 and logs["tierstore/backward_wait_s"] >= 0
+        assert logs["tierstore/read_errors"] == logs["tierstore/write_errors"] == 0
+
+
 def test_offloading_context_is_the_one_line_swap_for_trl_and_torchtune(tmp_path: Path) -> None:
     from tierstore.integrations.transformers import offloading_context
 
@@ -466,6 +562,46 @@ def test_one_offloading_context_entered_nested_and_by_two_threads_leaves_no_hook
         before = store.stats().bytes_put
         model(x).sum()
         assert store.stats().bytes_put == before
+
+
+def test_a_head_that_raises_inside_the_block_leaves_later_saves_offloaded(
+    tmp_path: Path,
+) -> None:
+    """A head whose forward raises, caught inside the same ``offloading_context`` block (a bad
+    batch skipped): the ``no_offload`` opened around the head must close with it. Left open
+    until the block's exit, it kept every later saved tensor of the block in place."""
+    from tierstore.integrations.transformers import offloading_context
+
+    class FailingOnceHead(torch.nn.Linear):
+        fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                self.fail = False
+                raise ValueError("bad batch")
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    head = FailingOnceHead(256, 256)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), head)
+    x = torch.randn(256, 256, requires_grad=True)  # 256 KiB
+    with tierstore.TieredStore(
+        device_bytes=0, host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)
+    ) as store:
+        with offloading_context(model, store, min_bytes=1024):
+            with pytest.raises(ValueError, match="bad batch"):
+                model(x)
+            before = store.stats().bytes_put
+            y = x.sin().sum()  # saves x: 256 KiB, after the failed head
+            assert store.stats().bytes_put - before == x.numel() * x.element_size()
+            before = store.stats().bytes_put
+            z = torch.randn(256, 256, requires_grad=True)
+            loss = model(z).sum()  # the head's own input still stays in place
+            put = store.stats().bytes_put - before
+        assert put == z.numel() * z.element_size()  # the first layer's input only
+        assert not head._forward_pre_hooks and not head._forward_hooks
+        (y + loss).backward()
+    assert x.grad is not None and z.grad is not None
 
 
 def test_a_model_wrapped_by_peft_before_enabling_keeps_tierstores_checkpoint(
@@ -583,6 +719,33 @@ def test_a_model_with_tierstores_checkpoint_pickles(tmp_path: Path) -> None:
     assert seen() > before
     turn_checkpointing_off(loaded)  # the loaded model's own, not the original's
     assert not checkpointing_on(loaded) and checkpointing_on(model)
+
+
+def test_a_pickled_model_keeps_its_every_n_layers(tmp_path: Path) -> None:
+    """A model enabled with ``every_n_layers=2``, saved whole and loaded back: the Trainer's
+    enable on the loaded model must keep every other layer checkpointed. Its replaced methods
+    were rebuilt with a count of 1, and the Trainer's call checkpointed every layer."""
+    model = tiny_llama(layers=4)
+    if "every_n_layers" not in inspect.signature(model._set_gradient_checkpointing).parameters:
+        pytest.skip(f"transformers {transformers.__version__} checkpoints every layer or none")
+    enable_offloaded_checkpointing(model, every_n_layers=2)  # the default store: picklable
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+
+    def checkpointed() -> list[bool]:
+        return [bool(layer.gradient_checkpointing) for layer in loaded.model.layers]
+
+    assert checkpointed() == [True, False, True, False]
+    # What the Trainer calls when its own switch is on: no layer count of its own.
+    name = "activation" if HAS_ACTIVATION_NAMES else "gradient"
+    getattr(loaded, f"{name}_checkpointing_enable")()
+    assert checkpointed() == [True, False, True, False]
+    loaded.gradient_checkpointing_enable()  # the name before transformers renamed it
+    assert checkpointed() == [True, False, True, False]
+    for layer in loaded.model.layers[::2]:
+        assert layer._gradient_checkpointing_func.func is tierstore.checkpoint
+    turn_checkpointing_off(loaded)
+    assert not any(checkpointed())
 
 
 def test_peft_tuner_models_are_looked_through() -> None:
