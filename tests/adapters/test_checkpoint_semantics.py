@@ -400,6 +400,8 @@ def _sin_then_cos(calls: list[str]) -> Any:
 def test_torchs_global_early_stop_switch_is_obeyed(store_factory: StoreFactory) -> None:
     """Under ``set_checkpoint_early_stop(False)`` torch's recompute runs the whole function. A
     failure means tierstore's checkpoint ignored the global switch and stopped early."""
+    if not hasattr(torch.utils.checkpoint, "set_checkpoint_early_stop"):
+        pytest.skip(f"torch {torch.__version__} has no global checkpoint early-stop switch")
     store = store_factory("disk")
     ran: dict[str, list[str]] = {}
     for name, run in (
@@ -421,6 +423,8 @@ def test_torchs_global_debug_switch_is_obeyed(store_factory: StoreFactory) -> No
     """Under ``set_checkpoint_debug_enabled(True)`` a recompute that differs from the forward
     raises with the operators each ran. A failure means tierstore's checkpoint ignored the global
     switch: its error has no operator trace where torch's has one."""
+    if not hasattr(torch.utils.checkpoint, "set_checkpoint_debug_enabled"):
+        pytest.skip(f"torch {torch.__version__} has no global checkpoint debug switch")
     store = store_factory("disk")
 
     def shifty(t: torch.Tensor) -> torch.Tensor:
