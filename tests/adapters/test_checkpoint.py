@@ -795,8 +795,8 @@ def test_partials_bind_their_arguments_as_python_does(
         fn = functools.partial(_named(functools.partial(_scaled, scale=1.0)), scale=2.0)
         args, kwargs = (a, b, x), {}
     else:
-        fn, args, kwargs = functools.partial(_named(functools.partial(_scaled, a)), b), (x,), {}
-        kwargs = {"scale": 2.0}
+        fn = functools.partial(_named(functools.partial(_scaled, a)), b)
+        args, kwargs = (x,), {"scale": 2.0}
     expected_out = _scaled(a, b, x, scale=2.0)
     expected = torch.autograd.grad(expected_out.sum(), [a, b])
     out = tierstore.checkpoint(fn, *args, store=store, **kwargs)
