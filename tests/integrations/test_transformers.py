@@ -564,6 +564,51 @@ def test_one_offloading_context_entered_nested_and_by_two_threads_leaves_no_hook
         assert store.stats().bytes_put == before
 
 
+@pytest.mark.filterwarnings("ignore:tierstore. offloading is on:RuntimeWarning")  # A's block
+def test_a_thread_in_another_offloading_block_offloads_the_head_it_calls(
+    tmp_path: Path,
+) -> None:
+    """The head's hooks stay on the module while any thread is inside the context, and they
+    act only in the threads inside it: a thread in a plain ``offload_activations`` block
+    calling the same head must offload its activations, not keep them in place."""
+    from tierstore.integrations.transformers import offloading_context
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    head = model[1]
+    x = torch.randn(256, 256, requires_grad=True)  # 256 KiB activations
+    with tierstore.TieredStore(
+        device_bytes=0, host_bytes=0, min_bytes=0, disk_dir=str(tmp_path)
+    ) as store:
+        ctx = offloading_context(model, store, min_bytes=1024)
+        entered, done = threading.Event(), threading.Event()
+        put: dict[str, int] = {}
+
+        def inside_the_context() -> None:
+            with ctx:
+                entered.set()
+                done.wait(30)
+
+        def in_another_block() -> None:
+            entered.wait(30)
+            with tierstore.offload_activations(store, min_bytes=1024):
+                before = store.stats().bytes_put
+                head(x).sum()  # saves x: 256 KiB, handed to the store
+                put["head"] = store.stats().bytes_put - before
+            done.set()
+
+        threads = [
+            threading.Thread(target=inside_the_context),
+            threading.Thread(target=in_another_block),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert put["head"] == x.numel() * x.element_size()
+        assert not head._forward_pre_hooks and not head._forward_hooks
+
+
 def test_a_head_that_raises_inside_the_block_leaves_later_saves_offloaded(
     tmp_path: Path,
 ) -> None:
