@@ -675,6 +675,61 @@ def test_holding_back_drops_a_copy_brought_back_and_one_still_being_read(
     audit(store)
 
 
+class PausedReadEngine(FaultyEngine, register=False):
+    """Each read sets ``reading`` and waits for ``go``: events of the loop of the
+    ``AsyncTieredStore`` it is installed in."""
+
+    name = "paused-read"
+
+    def __init__(self, inner: DiskEngine) -> None:
+        super().__init__(inner)
+        self.reading = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def read(self, key: int, out: torch.Tensor) -> None:
+        self.reading.set()
+        await self.go.wait()
+        await super().read(key, out)
+
+
+async def test_holding_back_an_entry_a_get_waits_on_leaves_its_copy_to_the_get(
+    disk_dir: Path,
+) -> None:
+    """Note: [Held back]: a copy brought back for a get that waits on it is not dropped. Held
+    back between its read's end and the getter taking it, the copy was dropped from the
+    store under the getter, and a second get of the tensor (another node that saved it)
+    read it from disk again."""
+    async with tierstore.AsyncTieredStore(
+        disk_dir=disk_dir, device_bytes=0, host_bytes=0, prefetch_bytes=0, min_bytes=0
+    ) as store:
+        paused = install_faults(store, PausedReadEngine)
+        t = torch.randn(MiB // 4)
+        h = await store.put(t)
+        while (await store.stats()).inflight_bytes:
+            await asyncio.sleep(0.005)
+        assert await store.tier_of(h) is Tier.DISK
+        first = asyncio.create_task(store.get(h))
+        await paused.reading.wait()
+
+        async def hold_back_then_get() -> torch.Tensor:
+            await store.hold_back([h])
+            return await store.get(h)
+
+        # Answering the waiting get runs this on the store's loop; the task it makes runs
+        # before the getter wakes.
+        loop = asyncio.get_running_loop()
+        second: list[asyncio.Task[torch.Tensor]] = []
+        internals(store).entry(h).fetch_future.add_done_callback(
+            lambda _: second.append(loop.create_task(hold_back_then_get()))
+        )
+        paused.go.set()
+        assert torch.equal(await first, t)
+        assert len(second) == 1 and torch.equal(await second[0], t)
+        assert paused.reads == 1
+        assert (await store.stats()).bytes_from_disk == t.numel() * t.element_size()
+        audit(store)
+
+
 def test_hold_back_refuses_what_prefetch_refuses(make_store: MakeStore) -> None:
     store = make_store(device_bytes=0, host_bytes=0)
     h, gone = store.put(torch.randn(1024)), store.put(torch.randn(1024))

@@ -893,6 +893,45 @@ def test_backward_gets_newest_first_and_prefetches_ahead(store_factory: StoreFac
             assert keys[0] in requested, (keys, store.calls)
 
 
+class SavesEach(torch.autograd.Function):
+    """Passes ``y`` on and saves each of ``tensors``; its backward reads them all back, in the
+    order they were saved (``ctx.saved_tensors``)."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (grad, *(None for _ in ctx.saved_tensors))
+
+
+def test_first_gets_out_of_save_order_ask_for_each_entry_once(
+    store_factory: StoreFactory,
+) -> None:
+    """A node's backward reads its saved tensors oldest first, so backward's first gets go
+    up the save order. Each later first get's walk stopped short of the lowest entry
+    asked for, and that mark moved up to where the walk stopped: the next gets asked the
+    store again for entries it had been asked for already."""
+    store = RecordingStore(store_factory("disk", prefetch_bytes=2 << 20))
+    ts = [torch.full((1 << 18,), float(i)) for i in range(8)]  # 1 MiB each; the window: 2
+    x = torch.randn(4, requires_grad=True)
+    with tierstore.offload_activations(store):  # type: ignore[arg-type]
+        y = x
+        for t in ts[:4]:
+            y = SavesEach.apply(y, t)  # four nodes: read back newest first
+        y = SavesEach.apply(y, *ts[4:])  # one node, first in backward: oldest first
+        loss = y.sum()
+    loss.backward()
+    gets = [keys[0] for kind, keys in store.calls if kind == "get"]
+    saved = sorted(gets)  # keys follow the save order
+    assert gets == saved[4:] + saved[3::-1]
+    asked = [k for kind, keys in store.calls if kind == "prefetch" for k in keys]
+    assert asked == saved[3::-1], store.calls
+    assert torch.equal(x.grad, torch.ones(4))
+
+
 def test_one_block_around_several_steps_prefetches_in_every_backward(
     store_factory: StoreFactory,
 ) -> None:

@@ -37,6 +37,13 @@ def _chunk_files(engine: DiskEngine, key: int) -> list[Path]:
     return sorted(files, key=lambda p: [int(i) for i in p.name.split(".")[1:]])
 
 
+def _bytes_taken(array_dir: Path) -> int:
+    """Every block the array takes on disk, its directories' included (Note: [Chunk files
+    side by side])."""
+    taken = [array_dir, *array_dir.rglob("*")]
+    return sum(max(p.stat().st_blocks * 512, -(-p.stat().st_size // 4096) * 4096) for p in taken)
+
+
 class TestZarrEngine(EngineTests):
     engine_class = ZarrEngine
 
@@ -132,10 +139,9 @@ async def test_the_footprint_covers_what_the_files_take(
     await engine.write(1, raw, dtype=dtype, shape=tuple(shape))
     array_dir = _array_dir(engine, 1)
     files = [p for p in array_dir.rglob("*") if p.is_file()]
-    # Every block the array takes, its directories' included (Note: [Chunk files side by
-    # side]: zarr's default keys nested each chunk of a 3-d array two directories deep).
-    taken = [array_dir, *array_dir.rglob("*")]
-    on_disk = sum(max(p.stat().st_blocks * 512, -(-p.stat().st_size // 4096) * 4096) for p in taken)
+    # Its directories' blocks count (Note: [Chunk files side by side]: zarr's default keys
+    # nested each chunk of a 3-d array two directories deep).
+    on_disk = _bytes_taken(array_dir)
     assert on_disk <= engine.footprint(raw.numel()), (on_disk, engine.footprint(raw.numel()))
     data = sum(p.stat().st_size for p in files if p.name != "zarr.json")
     assert data <= raw.numel() + 20 * len(files)  # data, checksums and < 16 B padding a chunk
@@ -144,6 +150,32 @@ async def test_the_footprint_covers_what_the_files_take(
     out = torch.empty_like(raw)
     await engine.read(1, out)
     assert torch.equal(out, raw)
+
+
+async def test_the_footprint_counts_the_blocks_of_the_arrays_directory(tmp_path: Path) -> None:
+    """Every chunk file of an array lies in the array's directory (Note: [Chunk files side by
+    side]), and 256 of them fill more than a block of directory entries. Counted without the
+    directory, the footprint of such an array came short of the blocks it takes, and the
+    disk tier took more than ``disk_bytes``."""
+    engine = ZarrEngine(make_dirs(tmp_path, 1), StoreConfig.from_env({}, io_chunk_bytes=4096))
+    try:
+        # Rows of 16 bytes, 256 to a chunk: each chunk file is a block and the 4 bytes of its
+        # checksum, two blocks, and the last chunk is padded with 255 rows. The chunk files
+        # and zarr.json take all but one block of what the footprint counts besides the
+        # directory, whose entries (c.<i>.0.0.0) take two blocks or more.
+        chunks = 256
+        shape = (chunks * 256 - (chunks - 1), 1, 1, 1)
+        t = torch.randn(shape, dtype=torch.complex128)
+        raw = t.view(-1).view(torch.uint8)
+        await engine.write(1, raw, dtype=t.dtype, shape=shape)
+        assert len(_chunk_files(engine, 1)) == chunks
+        on_disk = _bytes_taken(_array_dir(engine, 1))
+        assert on_disk <= engine.footprint(raw.numel()), (on_disk, engine.footprint(raw.numel()))
+        out = torch.empty_like(raw)
+        await engine.read(1, out)
+        assert torch.equal(out, raw)
+    finally:
+        await engine.close()
 
 
 async def test_writes_running_when_the_engine_closes_do_not_report_stored(
