@@ -252,3 +252,72 @@ def test_an_entry_read_back_from_disk_is_offloaded_once(make_store: Any) -> None
     st = store.stats()
     assert st.bytes_offloaded == MiB and st.off_device_bytes == MiB
     audit(store)
+
+
+def test_a_steps_skip_counts_name_only_what_it_skipped(make_store: Any) -> None:
+    """A reason that kept tensors in place in an earlier step but none in this one is not in
+    this step's counts. Listed with a count of 0, the step's figures (and the warning of a
+    step that stores nothing, with its advice) named reasons for tensors it never saw."""
+    store = make_store()
+    store.note_skipped("below_min_bytes", 4096)
+    store.put(_mib(0))
+    first = store.end_step()
+    assert first.skipped == {"below_min_bytes": 1}
+    assert first.skipped_bytes == {"below_min_bytes": 4096}
+    store.put(_mib(1))
+    second = store.end_step()
+    assert second.skipped == {} and second.skipped_bytes == {}
+
+
+def test_a_steps_reads_and_gets_count_from_the_steps_start(make_store: Any) -> None:
+    """Step 1 reads a tensor back from disk; step 2 only puts one. Step 2's figures hold no
+    read, miss or wait of step 1's: counted from the store's start instead, every later step
+    reported step 1's reads as its own."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    h = store.put(_mib(0))
+    wait_for(lambda: store.tier_of(h) is tierstore.Tier.DISK and settled(store))
+    assert torch.equal(store.get(h), _mib(0))
+    store.release(h)
+    first = store.end_step()
+    assert first.bytes_from_disk == MiB and first.prefetch_misses == 1
+    h = store.put(_mib(1))
+    wait_for(lambda: store.tier_of(h) is tierstore.Tier.DISK and settled(store))
+    second = store.end_step()
+    assert (second.puts, second.bytes_put, second.bytes_to_disk) == (1, MiB, MiB)
+    assert (second.bytes_from_disk, second.prefetch_hits, second.prefetch_misses) == (0, 0, 0)
+    assert second.get_wait_seconds == 0
+
+
+def test_a_steps_kept_for_want_of_room_counts_from_the_steps_start(
+    make_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 1 keeps a tensor in host memory because the disk has no room; step 2 keeps
+    nothing new. Counted from the store's start, step 2 reported step 1's tensor as kept
+    again, and so did every later step."""
+    from tierstore.core import _disk_room
+
+    store = make_store(device_bytes=0, host_bytes=MiB)
+    hs = [store.put(_mib(0))]  # the host tier full
+    monkeypatch.setattr(_disk_room, "free_bytes", lambda dirs: MiB // 4)  # the disk filled
+    hs.append(store.put(_mib(1)))  # the older one cannot go down
+    wait_for(lambda: settled(store))
+    first = store.end_step()
+    assert first.kept_no_room == 1
+    store.release(store.put(torch.ones(0)))  # empty: stored in place
+    second = store.end_step()
+    assert second.puts == 1 and second.kept_no_room == 0
+
+
+def test_a_steps_peak_for_each_tier_is_that_tiers_own(make_store: Any) -> None:
+    """Three tensors rest in the host tier of a CPU store, whose device tier holds each one
+    only while its put runs. The step's host peak is what the host tier held at most; given
+    another tier's peak, it read as one tensor, not three."""
+    store = make_store(device_bytes=0, host_bytes=16 * MiB)
+    handles = [store.put(_mib(i)) for i in range(3)]
+    step = store.step_stats()
+    assert (step.peak_device_bytes, step.peak_host_bytes, step.peak_disk_bytes) == (
+        MiB,
+        3 * MiB,
+        0,
+    )
+    assert len(handles) == 3  # held: the bytes stay in the host tier

@@ -1941,3 +1941,54 @@ def test_releasing_a_copy_brought_back_gives_its_window_room_to_the_next(
     for h, t in zip(reversed(hs[:2]), reversed(ts[:2]), strict=True):
         assert torch.equal(store.get(h), t)
     audit(store)
+
+
+def test_a_read_of_exactly_pooled_read_bytes_lands_in_the_read_pool(
+    make_store: MakeStore,
+) -> None:
+    """CPU reads of at least ``POOLED_READ_BYTES`` go into the read pool's reusable buffers,
+    smaller ones into plain allocations. A tensor of exactly that size was read into a plain
+    allocation, whose pages fault in afresh at every read."""
+    from tierstore.core._transfers import POOLED_READ_BYTES
+
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    pool = internals(store).read_pool
+    below = _random((POOLED_READ_BYTES // 4 - 1,), torch.float32, seed=50)
+    at = _random((POOLED_READ_BYTES // 4,), torch.float32, seed=51)
+    handles = [store.put(below), store.put(at)]
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles) and settled(store))
+    assert _same_bits(store.get(handles[0]), below)
+    assert pool.created == 0
+    assert _same_bits(store.get(handles[1]), at)
+    assert pool.created == 1
+
+
+def test_the_last_reads_buffer_goes_when_its_task_lets_go_though_its_entry_stays(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backward of a retained graph: the sweep's oldest tensor is got and dropped, its entry
+    kept for the next backward. The loop thread that read it is made to hold it after
+    answering the get until the getter has dropped it; the buffer is unmapped once the loop
+    thread lets go. Checked only once the entry was released, it stayed mapped until the
+    next call into the store."""
+    store = make_store(device_bytes=0, host_bytes=0, prefetch_bytes=0)
+    pool = internals(store).read_pool
+    tensors = [_random((3 * MiB // 4,), torch.float32, seed=53 + i) for i in range(2)]
+    handles = [store.put(t) for t in tensors]
+    wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles) and settled(store))
+    linger, dropped = threading.Event(), threading.Event()
+    answer = cf.Future.set_result
+
+    def answer_and_linger(fut: cf.Future[object], result: object) -> None:
+        answer(fut, result)
+        if linger.is_set() and isinstance(result, torch.Tensor):
+            dropped.wait(5)  # this frame still holds the tensor the get returned
+
+    monkeypatch.setattr(cf.Future, "set_result", answer_and_linger)
+    assert _same_bits(store.get(handles[1]), tensors[1])
+    store.release(handles[1])
+    linger.set()
+    assert _same_bits(store.get(handles[0]), tensors[0])  # dropped at once, entry kept
+    dropped.set()
+    wait_for(lambda: pool.mapped_bytes == 0, timeout=5, what="the last buffer unmapped")
+    store.release(handles[0])

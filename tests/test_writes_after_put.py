@@ -290,3 +290,43 @@ def test_a_storage_freed_while_its_spill_reads_it_is_refused_at_the_caller(
     assert torch.equal(store.get(h), expected)
     stats = store.stats()
     assert stats.write_errors == 0 and stats.disk_available
+
+
+def test_a_write_the_engine_refused_as_changed_fails_the_tensor_though_it_looks_unchanged(
+    make_store: MakeStore,
+) -> None:
+    """The engine found the tensor's storage moved or shrunk while it waited to be written,
+    but by the time the store records that, the tensor looks as it was put (a storage freed
+    and allocated again at the same address). The engine's word must fail the entry: taken
+    for a disk error, the entry went back to host memory, was written again, and a get
+    returned bytes that were not those put, with no error."""
+    store = make_store(device_bytes=0, host_bytes=0)
+    faulty = install_faults(store)
+    faulty.fail_writes(
+        TensorModifiedError(
+            "its storage was resized to 0 bytes or moved while waiting to be written"
+        ),
+        times=1,
+    )
+    h = store.put(torch.arange(1 << 18, dtype=torch.float32))
+    wait_for(lambda: settled(store))
+    assert store.state_of(h) is TensorState.FAILED
+    with pytest.raises(TensorModifiedError, match="moved while waiting to be written"):
+        store.get(h)
+    assert store.stats().write_errors == 0
+
+
+def test_a_view_written_on_the_device_tier_fails_when_the_cascade_moves_it(
+    make_store: MakeStore,
+) -> None:
+    """A view put into a CPU store rests on the device tier as the caller's own tensor; its
+    base is written in place, then a later put pushes it down. The move must fail it: moving
+    it makes the store's compact copy of the written bytes, which is the store's own from then
+    on, and a get returned those bytes as if they were the ones put."""
+    store = make_store(device_bytes=8 * 2000, host_bytes="unlimited")
+    base = torch.zeros(8000)
+    h = store.put(base[::2])  # 16000 bytes: room on the device tier
+    base.add_(1)
+    store.put(torch.zeros(4000))  # the view, the oldest, goes down
+    with pytest.raises(TensorModifiedError, match="written in place"):
+        store.get(h)

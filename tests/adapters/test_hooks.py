@@ -1157,3 +1157,26 @@ def test_an_async_collective_tensor_is_waited_on_and_stored(
         assert w.grad is not None and torch.equal(w.grad, a)  # a sum over one rank is a
     finally:
         dist.destroy_process_group()
+
+
+def test_a_store_returning_fewer_elements_than_a_record_reaches_is_refused(
+    store_factory: StoreFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A saved tensor that reaches the last element of its storage, read back from a store
+    that returns one element fewer than was put (a store wrapped by the caller, say). Unpack
+    must refuse: rebuilt as it was saved, the tensor would reach past what the store returned,
+    and here its last value silently came from the memory after the shortened view."""
+    from tierstore.adapters._storage import Saved, StorageTable
+
+    store = store_factory("host")
+    t = torch.arange(1024, dtype=torch.float32)
+    saved = StorageTable().offload(store, t, 0)
+    assert isinstance(saved, Saved)
+    real_get = store.get
+
+    def short_get(handle: tierstore.TensorHandle) -> torch.Tensor:
+        return real_get(handle)[:-4]  # one float32 fewer, still a view of the whole storage
+
+    monkeypatch.setattr(store, "get", short_get)
+    with pytest.raises(RuntimeError, match=r"needs 1024 elements .* the store returned 1023"):
+        saved.tensor()

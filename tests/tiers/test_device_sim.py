@@ -1028,3 +1028,52 @@ def test_a_put_behind_copies_paused_for_long_does_not_wait_for_them(
     assert store.stats().inflight_bytes == 0
     assert rests(store, h2) is Tier.DEVICE and rests(store, h1) is Tier.DEVICE
     assert torch.equal(on_host(store.get(h1)), want)
+
+
+def test_a_tensor_written_while_its_copy_to_the_host_runs_fails_its_entry(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device tensor written in place while its copy to the host tier runs: the copy may
+    hold the bytes of either moment, so the entry fails with the error a get raises. Without
+    the check after the copy, the host copy was kept and a get returned it, the write
+    unnoticed."""
+    from tierstore.core import _transfers
+
+    real_copy = _transfers.copy_to_host
+    t, _ = produced("cuda:0", "contiguous", seed=21)
+
+    async def written_meanwhile(src: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        host = await real_copy(src, *args, **kwargs)
+        src.mul_(1)  # the values stay; the version counter says it was written
+        return host
+
+    monkeypatch.setattr(_transfers, "copy_to_host", written_meanwhile)
+    store = env.store("host")
+    h = store.put(t)
+    wait_for(lambda: settled(store))
+    assert store.state_of(h) is tierstore.TensorState.FAILED
+    with pytest.raises(tierstore.TensorModifiedError, match="written in place"):
+        store.get(h)
+
+
+def test_a_copy_on_its_way_to_a_full_host_tier_spills_the_oldest_at_once(env: Env) -> None:
+    """The host tier is full with one tensor when a second one's copy to it starts: the copy
+    counts against the tier at once, so the oldest host entry is spilled while the copy runs.
+    Counting only what rests there, the spill waited for the copy to land, and the host tier
+    then held both tensors against room for one until it ended."""
+    old_t, old_want = produced("cuda:0", "contiguous", seed=22)
+    nbytes = old_t.numel() * old_t.element_size()
+    store = env.store("host", host_bytes=nbytes)
+    old = store.put(old_t)
+    assert rests(store, old) is Tier.HOST
+    with env.sim.hold(torch.accelerator.current_stream("cuda:0")):
+        new_t, new_want = produced("cuda:0", "contiguous", seed=23)  # its producer queued
+        new = store.put(new_t)
+        del new_t
+        wait_for(lambda: store.tier_of(old) is Tier.DISK, what="the oldest spilled")
+        assert store.state_of(new) is tierstore.TensorState.MOVING_TO_HOST
+    assert rests(store, new) is Tier.HOST
+    wait_for(lambda: settled(store))
+    assert store.stats().host.peak_bytes <= nbytes
+    assert torch.equal(on_host(store.get(old)), old_want)
+    assert torch.equal(on_host(store.get(new)), new_want)

@@ -233,3 +233,40 @@ def test_threads_taking_while_the_pool_grows_never_share_a_byte(pinning: FakePin
     # Every piece merged back whole: each can be taken in one buffer again.
     whole = [pool.take(size) for _, size in sorted(pool.pieces(), key=lambda p: -p[1])]
     assert None not in whole
+
+
+def test_a_pieces_last_page_freed_after_the_next_pieces_first_does_not_merge_with_it(
+    pinning: FakePinning,
+) -> None:
+    """The first page of the second piece is freed before the last page of the first: the
+    two touch in the pool's page numbering but not in memory. Merged, a two-page buffer was
+    handed out that ran off the end of the first piece."""
+    pool = PinnedPool(3 * PAGE)  # pieces of 2 pages and 1 page
+    first, second, third = (pool.take(PAGE) for _ in range(3))
+    assert pinning.requests == [2 * PAGE, PAGE] and first is not None
+    del third
+    gc.collect()
+    assert pool.free_bytes() == PAGE  # the second piece's page is back in the free list
+    del second
+    gc.collect()
+    assert pool.take(2 * PAGE) is None
+
+
+def test_pinned_memory_off_a_page_boundary_is_used_from_its_first_whole_page(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An allocator may hand out pinned memory that starts past a page boundary. Buffers must
+    still be page-aligned (O_DIRECT reads and writes need it), so the piece is used from its
+    first whole page; used from where it started, every buffer was off by as much."""
+    maps: list[mmap.mmap] = []
+
+    def off_a_page(nbytes: int) -> torch.Tensor:
+        m = mmap.mmap(-1, nbytes + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        maps.append(m)
+        return torch.frombuffer(m, dtype=torch.uint8, count=nbytes, offset=64)
+
+    monkeypatch.setattr(_accelerator, "pinned_empty", off_a_page)
+    pool = PinnedPool(4 * PAGE)
+    got = pool.take(PAGE)
+    assert got is not None and got[0].data_ptr() % PAGE == 0
+    assert pool.pieces()[0][1] == 3 * PAGE  # the whole pages in it

@@ -273,3 +273,34 @@ def test_other_sizes_under_2_mib_get_maps_of_their_own(size: int) -> None:
     pool = ReadPool(keep_bytes=64 * MiB)
     held = [pool.take(size)[1] for _ in range(2)]
     assert pool.mapped_bytes == 2 * size and len(held) == 2
+
+
+def test_shrink_unmaps_a_slabs_pieces_never_taken() -> None:
+    """One 512 KiB read cuts a 2 MiB slab in four pieces; three were never taken. They are
+    free memory like the freed piece, and the sweep's end unmaps them all. Counted as busy,
+    the slab's untouched pieces kept it mapped after the sweep."""
+    pool = ReadPool(keep_bytes=64 * MiB)
+    window, data = pool.take(512 << 10)
+    del window, data
+    assert pool.shrink(keep_free=0) == 2 * MiB
+    assert pool.mapped_bytes == 0 and pool.buffers == 0
+
+
+def test_a_mapping_off_a_huge_page_boundary_is_cut_at_the_next_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every mapping lands one page past a 2 MiB boundary (as older kernels may place it):
+    the wider mapping made again must be cut at the next boundary, not as far before one."""
+    real_new_map = _readpool._new_map
+    huge = 2 * MiB
+    kept: list[object] = []
+
+    def one_page_off(size: int) -> memoryview:
+        whole = memoryview(real_new_map(size + 2 * huge))
+        kept.append(whole)
+        start = -_readpool._address(whole) % huge + _readpool._PAGE
+        return whole[start : start + size]
+
+    monkeypatch.setattr(_readpool, "_new_map", one_page_off)
+    cut = _readpool._new_huge(4 * MiB)
+    assert len(cut) == 4 * MiB and _readpool._address(cut) % huge == 0
