@@ -354,6 +354,23 @@ def test_without_prefetching_a_finished_sweep_still_hands_its_buffers_back(
     assert pool.mapped_bytes <= 2 * MiB + 4096, pool.mapped_bytes
 
 
+def _linger_after_answering_gets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[threading.Event, threading.Event]:
+    """``(linger, let_go)``: once ``linger`` is set, the thread that answers a get with a
+    tensor keeps holding it (in its frame) until ``let_go`` is set, at most 5 s."""
+    linger, let_go = threading.Event(), threading.Event()
+    answer = cf.Future.set_result
+
+    def answer_and_linger(fut: cf.Future[object], result: object) -> None:
+        answer(fut, result)
+        if linger.is_set() and isinstance(result, torch.Tensor):
+            let_go.wait(5)  # this frame still holds the tensor the get returned
+
+    monkeypatch.setattr(cf.Future, "set_result", answer_and_linger)
+    return linger, let_go
+
+
 @pytest.mark.parametrize("disk_format", ["raw", "zarr"])
 def test_the_last_reads_buffer_goes_though_its_task_held_it_past_the_sweeps_end(
     make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, disk_format: str
@@ -375,15 +392,7 @@ def test_the_last_reads_buffer_goes_though_its_task_held_it_past_the_sweeps_end(
         time.sleep(0.2)
 
     monkeypatch.setattr(cf_thread._WorkItem, "run", run_then_dwell)
-    linger, released = threading.Event(), threading.Event()
-    answer = cf.Future.set_result
-
-    def answer_and_linger(fut: cf.Future[object], result: object) -> None:
-        answer(fut, result)
-        if linger.is_set() and isinstance(result, torch.Tensor):
-            released.wait(5)  # this frame still holds the tensor the get returned
-
-    monkeypatch.setattr(cf.Future, "set_result", answer_and_linger)
+    linger, released = _linger_after_answering_gets(monkeypatch)
     assert _same_bits(store.get(handles[1]), tensors[1])
     store.release(handles[1])
     linger.set()
@@ -1976,15 +1985,7 @@ def test_the_last_reads_buffer_goes_when_its_task_lets_go_though_its_entry_stays
     tensors = [_random((3 * MiB // 4,), torch.float32, seed=53 + i) for i in range(2)]
     handles = [store.put(t) for t in tensors]
     wait_for(lambda: all(store.tier_of(h) is Tier.DISK for h in handles) and settled(store))
-    linger, dropped = threading.Event(), threading.Event()
-    answer = cf.Future.set_result
-
-    def answer_and_linger(fut: cf.Future[object], result: object) -> None:
-        answer(fut, result)
-        if linger.is_set() and isinstance(result, torch.Tensor):
-            dropped.wait(5)  # this frame still holds the tensor the get returned
-
-    monkeypatch.setattr(cf.Future, "set_result", answer_and_linger)
+    linger, dropped = _linger_after_answering_gets(monkeypatch)
     assert _same_bits(store.get(handles[1]), tensors[1])
     store.release(handles[1])
     linger.set()
